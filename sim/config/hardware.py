@@ -1,0 +1,119 @@
+"""One GPU's capacities: HBM size and bandwidth, dense bf16 compute, host and peer links."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from sim.errors import KvsimConfigError
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+class Hardware(BaseModel):
+    """Datasheet figures of one GPU; the cost model derates them by fitted efficiencies."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(description="Name shown in reports, e.g. 'H100-SXM-80GB'.")
+    source: str = Field("user-supplied", description="Where the figures come from.")
+    hbm_bytes: int = Field(
+        gt=0,
+        description="HBM capacity as the CUDA runtime reports it (torch total_memory), "
+        "the base vLLM multiplies by gpu_memory_utilization.",
+    )
+    hbm_bandwidth_bytes_per_s: float = Field(gt=0, description="Peak HBM bandwidth.")
+    bf16_flops_per_s: float = Field(gt=0, description="Peak dense (no sparsity) bf16 FLOP/s.")
+    pcie_bandwidth_bytes_per_s: float = Field(
+        gt=0, description="Host link bandwidth in one direction (swap and CPU offload)."
+    )
+    nvlink_bandwidth_bytes_per_s: float = Field(
+        ge=0,
+        description="NVLink bandwidth per GPU in one direction; 0 means no NVLink, so "
+        "tensor-parallel all-reduce goes over PCIe.",
+    )
+
+    @property
+    def allreduce_bandwidth_bytes_per_s(self) -> float:
+        """Link a tensor-parallel all-reduce uses: NVLink if present, else PCIe."""
+        if self.nvlink_bandwidth_bytes_per_s > 0:
+            return self.nvlink_bandwidth_bytes_per_s
+        return self.pcie_bandwidth_bytes_per_s
+
+
+# PCIe x16, one direction, after encoding overhead is about 64 GB/s for Gen5, 32 GB/s for Gen4.
+_PCIE_GEN5 = 64e9
+_PCIE_GEN4 = 32e9
+
+# hbm_bytes is what torch.cuda.get_device_properties().total_memory reports (published
+# readouts, in MiB), a little below the marketing size because ECC and the driver keep some;
+# it varies by a few MiB with the driver version.
+HARDWARE_PRESETS: dict[str, Hardware] = {
+    hw.name: hw
+    for hw in (
+        Hardware(
+            name="H100-SXM-80GB",
+            source="NVIDIA H100 SXM datasheet; torch total_memory 81089 MiB (79.19 GiB)",
+            hbm_bytes=81_089 * MIB,
+            hbm_bandwidth_bytes_per_s=3.35e12,
+            bf16_flops_per_s=989e12,
+            pcie_bandwidth_bytes_per_s=_PCIE_GEN5,
+            nvlink_bandwidth_bytes_per_s=450e9,
+        ),
+        Hardware(
+            name="H200-141GB",
+            source="NVIDIA H200 SXM datasheet; torch total_memory 143156 MiB (139.80 GiB)",
+            hbm_bytes=143_156 * MIB,
+            hbm_bandwidth_bytes_per_s=4.8e12,
+            bf16_flops_per_s=989e12,
+            pcie_bandwidth_bytes_per_s=_PCIE_GEN5,
+            nvlink_bandwidth_bytes_per_s=450e9,
+        ),
+        Hardware(
+            name="A100-80GB",
+            source="NVIDIA A100 SXM4 80GB datasheet; torch total_memory 81050 MiB (79.15 GiB)",
+            hbm_bytes=81_050 * MIB,
+            hbm_bandwidth_bytes_per_s=2.039e12,
+            bf16_flops_per_s=312e12,
+            pcie_bandwidth_bytes_per_s=_PCIE_GEN4,
+            nvlink_bandwidth_bytes_per_s=300e9,
+        ),
+        Hardware(
+            name="L40S-48GB",
+            source="NVIDIA L40S datasheet (no NVLink); torch total_memory 45589 MiB (44.52 GiB)",
+            hbm_bytes=45_589 * MIB,
+            hbm_bandwidth_bytes_per_s=0.864e12,
+            bf16_flops_per_s=362e12,
+            pcie_bandwidth_bytes_per_s=_PCIE_GEN4,
+            nvlink_bandwidth_bytes_per_s=0.0,
+        ),
+        Hardware(
+            name="B200",
+            source="NVIDIA DGX B200 datasheet; torch total_memory 182642 MiB (178.36 GiB)",
+            hbm_bytes=182_642 * MIB,
+            hbm_bandwidth_bytes_per_s=8.0e12,
+            bf16_flops_per_s=2250e12,
+            # B200 hosts are PCIe Gen6-capable, but Gen5 hosts are the common case.
+            pcie_bandwidth_bytes_per_s=_PCIE_GEN5,
+            nvlink_bandwidth_bytes_per_s=900e9,
+        ),
+    )
+}
+
+
+def resolve_hardware(name_or_obj: str | dict[str, Any] | Hardware) -> Hardware:
+    """A preset (case-insensitive name), an inline dict validated as Hardware, or a Hardware."""
+    if isinstance(name_or_obj, Hardware):
+        return name_or_obj
+    if isinstance(name_or_obj, dict):
+        return Hardware.model_validate(name_or_obj)
+    by_lower_name = {key.lower(): hw for key, hw in HARDWARE_PRESETS.items()}
+    preset = by_lower_name.get(str(name_or_obj).lower())
+    if preset is None:
+        raise KvsimConfigError(
+            f"hardware {str(name_or_obj)!r} is not a preset; known: "
+            f"{', '.join(HARDWARE_PRESETS)} (or give an inline mapping of Hardware fields)"
+        )
+    return preset

@@ -1,0 +1,160 @@
+"""The pool of paged KV blocks in HBM, ordered exactly as vLLM V1 orders them.
+
+Mirrors ``vllm/v1/core/block_pool.py`` (vLLM 0.32):
+
+- Block 0 is the *null block*: popped at start-up, never allocated, never freed. Usage is
+  ``1 - free / (num_gpu_blocks - 1)``.
+- The free queue starts in block-id order. New blocks are popped from the front; a popped
+  block that still carried a prefix-cache hash is evicted from the cache at that moment.
+- Freed blocks (ref count reaching 0) go back in the order given (the caller passes a
+  request's blocks tail first): blocks without a hash to the *front* (reused first, LIFO),
+  hashed blocks to the *tail* (kept as prefix cache, evicted LRU).
+- A prefix hit on a block with ref count 0 takes it out of the free queue (``touch``).
+
+The free queue is an ``OrderedDict`` keyed by block id: O(1) pop-front, append, prepend and
+remove from the middle, like vLLM's hand-made doubly linked list.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+
+
+class KVBlock:
+    """One block of ``block_size`` token slots in HBM."""
+
+    __slots__ = ("block_hash", "block_id", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        # Set while the block is registered in the prefix cache.
+        self.block_hash: int | None = None
+
+    def __repr__(self) -> str:
+        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
+
+
+class BlockPool:
+    """Allocates, frees and caches KV blocks; owns the free queue and the prefix-cache map."""
+
+    def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
+        if num_gpu_blocks < 2:
+            raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: need the null block plus one")
+        self.num_gpu_blocks = num_gpu_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_gpu_blocks)]
+        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
+            (b.block_id, b) for b in self.blocks
+        )
+        # hash -> {block_id: block}; vLLM does not de-duplicate identical blocks, and a lookup
+        # returns the earliest-registered one.
+        self.cached_blocks: dict[int, dict[int, KVBlock]] = {}
+        self.null_block = self.free_queue.popitem(last=False)[1]
+        self.num_evicted_blocks = 0
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        """All blocks but the null block."""
+        return self.num_gpu_blocks - 1
+
+    @property
+    def usage(self) -> float:
+        """Fraction of usable blocks not in the free queue (``vllm:kv_cache_usage_perc``)."""
+        return 1.0 - len(self.free_queue) / (self.num_gpu_blocks - 1)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        """Free blocks that still hold prefix-cache content (evictable)."""
+        return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        """The block holding this prefix hash, if any (the earliest registered)."""
+        blocks = self.cached_blocks.get(block_hash)
+        if blocks is None:
+            return None
+        return next(iter(blocks.values()))
+
+    def free_block_ids(self) -> list[int]:
+        """Free queue order, front (allocated next) first."""
+        return list(self.free_queue)
+
+    # -- transitions --------------------------------------------------------------------------
+    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+        """Pop ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
+        if num_blocks > len(self.free_queue):
+            raise ValueError(f"cannot get {num_blocks} free blocks from {len(self.free_queue)}")
+        popitem = self.free_queue.popitem
+        out = [popitem(last=False)[1] for _ in range(num_blocks)]
+        for block in out:
+            assert block.ref_cnt == 0, block
+            if block.block_hash is not None:
+                self.evict(block)
+            block.ref_cnt = 1
+        return out
+
+    def evict(self, block: KVBlock) -> None:
+        """Forget a block's prefix-cache hash (its content is about to be overwritten)."""
+        block_hash = block.block_hash
+        assert block_hash is not None
+        holders = self.cached_blocks[block_hash]
+        del holders[block.block_id]
+        if not holders:
+            del self.cached_blocks[block_hash]
+        block.block_hash = None
+        self.num_evicted_blocks += 1
+
+    def touch(self, blocks: Sequence[KVBlock]) -> None:
+        """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
+        free_queue = self.free_queue
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del free_queue[block.block_id]
+            block.ref_cnt += 1
+
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+        """Drop one reference from each block; blocks reaching 0 return to the free queue.
+
+        ``ordered_blocks`` is in eviction order (first = evicted first): un-hashed blocks are
+        prepended in that order, hashed blocks appended in that order.
+        """
+        evict_first: list[KVBlock] = []
+        free_queue = self.free_queue
+        for block in ordered_blocks:
+            block.ref_cnt -= 1
+            assert block.ref_cnt >= 0, block
+            if block.ref_cnt == 0 and block is not self.null_block:
+                if block.block_hash is None or not self.enable_caching:
+                    evict_first.append(block)
+                else:
+                    free_queue[block.block_id] = block
+        move_to_end = free_queue.move_to_end
+        for block in reversed(evict_first):
+            free_queue[block.block_id] = block
+            move_to_end(block.block_id, last=False)
+
+    def cache_full_blocks(
+        self,
+        block_hashes: Sequence[int],
+        blocks: Sequence[KVBlock],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
+        cached = self.cached_blocks
+        for i in range(num_cached_blocks, num_full_blocks):
+            block = blocks[i]
+            block_hash = block_hashes[i]
+            assert block.block_hash is None, block
+            block.block_hash = block_hash
+            holders = cached.get(block_hash)
+            if holders is None:
+                cached[block_hash] = {block.block_id: block}
+            else:
+                holders[block.block_id] = block

@@ -1,0 +1,156 @@
+"""Block tables per request on top of the block pool, as vLLM V1's ``KVCacheManager``.
+
+One full-attention KV cache group (every decoder-only dense model), so this folds vLLM's
+``KVCacheManager`` -> ``KVCacheCoordinator`` -> ``FullAttentionManager`` chain into one class.
+Read with ``vllm/v1/core/kv_cache_manager.py`` and ``single_type_kv_cache_manager.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from sim.kv.block_pool import BlockPool, KVBlock
+from sim.request import Request, RequestStatus
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Allocates slots for scheduled tokens, finds prefix hits, caches full blocks, frees."""
+
+    def __init__(
+        self,
+        num_gpu_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_caching: bool = True,
+        watermark: float = 0.0,
+    ) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        # vLLM counts the watermark against all blocks, the null block included.
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.num_cached_block: dict[str, int] = {}
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.usage
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Block ids of a request, in token order."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # -- prefix cache -------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest chain of cached full blocks matching the request, and its token count.
+
+        Capped at ``num_tokens - 1``: with every token cached the last one must still be
+        computed to produce logits, which recomputes its whole block.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        get_cached_block = self.block_pool.get_cached_block
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _num_blocks_to_allocate(
+        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVBlock]
+    ) -> int:
+        num_required = cdiv(num_tokens, self.block_size)
+        held = self.req_to_blocks.get(request_id)
+        if held is not None:
+            return max(num_required - len(held), 0)
+        # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
+        # free block just like a fresh allocation.
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(num_required - len(new_computed_blocks), 0) + num_evictable
+
+    def allocate_slots(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVBlock] = (),
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        has_scheduled_reqs: bool = True,
+    ) -> list[KVBlock] | None:
+        """Give the request slots for ``num_new_tokens`` more tokens, or None if HBM is short.
+
+        The scheduler sets ``full_sequence_must_fit`` when admitting a waiting request: its
+        whole current sequence must fit (vLLM's ``scheduler_reserve_full_isl``, on by
+        default), so chunked prefill cannot admit a prompt it could never finish. The
+        watermark applies only to waiting/preempted requests when something is already
+        scheduled.
+        """
+        assert num_new_tokens > 0 or num_new_computed_tokens > 0
+        pool = self.block_pool
+        request_id = request.request_id
+        num_computed = request.num_computed_tokens + num_new_computed_tokens
+        total_computed = min(num_computed, self.max_model_len)
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status is not RequestStatus.RUNNING:
+            watermark_blocks = self.watermark_blocks
+        num_free = pool.num_free_blocks
+
+        if full_sequence_must_fit:
+            full_num_tokens = min(request.num_tokens, self.max_model_len)
+            needed = self._num_blocks_to_allocate(request_id, full_num_tokens, new_computed_blocks)
+            if needed + watermark_blocks > num_free:
+                return None
+
+        num_tokens_need_slot = min(
+            total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
+        )
+        needed = self._num_blocks_to_allocate(request_id, num_tokens_need_slot, new_computed_blocks)
+        if needed + watermark_blocks > num_free:
+            return None
+
+        blocks = self.req_to_blocks.get(request_id)
+        if blocks is None:
+            # First allocation since admission: adopt the prefix hit.
+            if self.enable_caching:
+                pool.touch(new_computed_blocks)
+            blocks = self.req_to_blocks[request_id] = list(new_computed_blocks)
+            self.num_cached_block[request_id] = len(blocks)
+        num_new_blocks = cdiv(num_tokens_need_slot, self.block_size) - len(blocks)
+        new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
+        blocks.extend(new_blocks)
+
+        # Cache full blocks now, at scheduling time, so a request admitted later in this very
+        # step can already hit them (vLLM does the same).
+        if self.enable_caching:
+            num_tokens_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
+            self.cache_blocks(request, num_tokens_to_cache)
+        return new_blocks
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks up to ``num_tokens`` in the prefix cache."""
+        request_id = request.request_id
+        num_cached = self.num_cached_block[request_id]
+        num_full = num_tokens // self.block_size
+        if num_cached >= num_full:
+            return
+        self.block_pool.cache_full_blocks(
+            request.block_hashes, self.req_to_blocks[request_id], num_cached, num_full
+        )
+        self.num_cached_block[request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks, tail first so the prefix cache evicts tails first."""
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_block.pop(request.request_id, None)
+        if blocks:
+            self.block_pool.free_blocks(reversed(blocks))

@@ -1,0 +1,220 @@
+"""vLLM V1's scheduling loop, step for step (``vllm/v1/core/sched/scheduler.py``, vLLM 0.32).
+
+One call to :meth:`Scheduler.schedule` is one engine step:
+
+1. RUNNING requests, in order, each get ``min(remaining tokens, token budget,
+   long_prefill_token_threshold)`` tokens. If ``allocate_slots`` fails, the policy's victim
+   is preempted (recompute: blocks freed, hashed ones stay in the prefix cache, computed
+   tokens reset, back to the waiting queue) and allocation is retried; if the victim is the
+   request itself, the running pass stops.
+2. WAITING requests, only if nobody was preempted this step, while budget remains and fewer
+   than ``max_num_seqs`` run: prefix lookup, then allocation with the full-sequence
+   reservation and the watermark. The first failure stops admission (head-of-line).
+3. Every scheduled request advances ``num_computed_tokens`` by its share.
+
+:meth:`Scheduler.update_from_output` then plays the model's part: a request whose computed
+tokens reached its length samples its next (planned) token; a request at ``max_tokens`` or
+``max_model_len`` finishes and frees its blocks. No clock anywhere: the engine owns time.
+"""
+
+from __future__ import annotations
+
+from sim.config.engine import EngineConfig
+from sim.kv.kv_cache_manager import KVCacheManager
+from sim.request import Request, RequestStatus
+from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate
+from sim.scheduler.policy import make_policy
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens, and who is preempted."""
+
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int) -> None:
+        self.config = config
+        self.max_num_batched_tokens = config.max_num_batched_tokens
+        self.max_num_seqs = config.max_num_seqs
+        self.max_model_len = config.max_model_len
+        self.long_prefill_token_threshold = config.long_prefill_token_threshold
+        self.enable_chunked_prefill = config.enable_chunked_prefill
+        self.kv_cache_manager = KVCacheManager(
+            num_gpu_blocks=num_gpu_blocks,
+            block_size=config.block_size,
+            max_model_len=config.max_model_len,
+            enable_caching=config.enable_prefix_caching,
+            watermark=config.watermark,
+        )
+        self.policy = make_policy(config.scheduling_policy)
+        self.waiting = self.policy.new_waiting_queue()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+        self.num_preemptions = 0
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.running) + len(self.waiting)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.running) or len(self.waiting) > 0
+
+    # -- transitions --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """A request arrives: it joins the waiting queue."""
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        if request.num_prompt_tokens + request.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"request {request.request_id}: prompt {request.num_prompt_tokens} + max_tokens "
+                f"{request.max_tokens} tokens exceeds max_model_len={self.max_model_len}"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.add(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
+        request.mark_preempted()
+        self.waiting.prepend(request)
+        self.num_preemptions += 1
+
+    def schedule(self) -> SchedulerOutput:
+        """Plan one engine step (see the module docstring)."""
+        kv = self.kv_cache_manager
+        running = self.running
+        token_budget = self.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        preempted: list[Request] = []
+        admitted_ids: list[str] = []
+        # vLLM lifts the long-prefill cap when there is nobody else to starve.
+        threshold = self.long_prefill_token_threshold
+        if len(running) + len(self.waiting) <= 1:
+            threshold = 0
+
+        # 1. RUNNING requests.
+        req_index = 0
+        while req_index < len(running) and token_budget > 0:
+            request = running[req_index]
+            num_new = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < num_new:
+                num_new = threshold
+            num_new = min(
+                num_new, token_budget, self.max_model_len - request.num_computed_tokens - 1
+            )
+            if num_new <= 0:
+                req_index += 1
+                continue
+            while True:
+                new_blocks = kv.allocate_slots(request, num_new)
+                if new_blocks is not None:
+                    break
+                victim_index = self.policy.victim_index(running)
+                victim = running.pop(victim_index)
+                if victim_index < req_index:
+                    req_index -= 1
+                restored = num_scheduled.pop(victim.request_id, None)
+                if restored is not None:
+                    token_budget += restored
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                break
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+            req_index += 1
+
+        # 2. WAITING requests, unless this step had to preempt.
+        num_query_tokens = num_hit_tokens = num_resumed_hit_tokens = 0
+        if not preempted:
+            waiting = self.waiting
+            while token_budget > 0 and len(waiting) and len(running) < self.max_num_seqs:
+                request = waiting.peek()
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_new = request.num_tokens - num_hit
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if not self.enable_chunked_prefill and num_new > token_budget:
+                    break
+                num_new = min(num_new, token_budget)
+                new_blocks = kv.allocate_slots(
+                    request,
+                    num_new,
+                    num_new_computed_tokens=num_hit,
+                    new_computed_blocks=hit_blocks,
+                    full_sequence_must_fit=True,
+                    has_scheduled_reqs=bool(running),
+                )
+                if new_blocks is None:
+                    break
+                if kv.enable_caching:
+                    # vLLM counts re-admissions after preemption apart from first lookups.
+                    if request.num_preemptions:
+                        num_resumed_hit_tokens += num_hit
+                    else:
+                        num_query_tokens += request.num_tokens
+                        num_hit_tokens += num_hit
+                waiting.pop()
+                running.append(request)
+                request.mark_running(num_hit)
+                admitted_ids.append(request.request_id)
+                num_scheduled[request.request_id] = num_new
+                token_budget -= num_new
+
+        # 3. Advance computed tokens; summarise the batch for the cost model.
+        shape = BatchShape()
+        requests = self.requests
+        for request_id, n in num_scheduled.items():
+            request = requests[request_id]
+            context = request.num_computed_tokens
+            if n == 1 and context == request.num_tokens - 1 and request.num_output_tokens:
+                shape.num_decode_reqs += 1
+                shape.decode_context_tokens += context
+            else:
+                shape.num_prefill_reqs += 1
+                shape.num_prefill_tokens += n
+                shape.prefill_attention_pairs += n * (context + n / 2)
+            request.num_computed_tokens = context + n
+
+        self.num_steps += 1
+        pool = kv.block_pool
+        return SchedulerOutput(
+            step=self.num_steps,
+            num_scheduled_tokens=num_scheduled,
+            admitted_ids=admitted_ids,
+            preempted_ids=[r.request_id for r in preempted],
+            num_prefix_query_tokens=num_query_tokens,
+            num_prefix_hit_tokens=num_hit_tokens,
+            num_resumed_prefix_hit_tokens=num_resumed_hit_tokens,
+            shape=shape,
+            num_free_blocks=pool.num_free_blocks,
+            kv_usage=pool.usage,
+            num_running=len(running),
+            num_waiting=len(self.waiting),
+        )
+
+    def update_from_output(self, output: SchedulerOutput) -> StepUpdate:
+        """Apply a finished step: sample tokens, finish and free requests."""
+        sampled: list[Request] = []
+        finished: list[Request] = []
+        requests = self.requests
+        max_model_len = self.max_model_len
+        for request_id in output.num_scheduled_tokens:
+            request = requests.get(request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # preempted later in the same step (priority policy)
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that did not reach the end samples nothing
+            request.append_output_token_id(request.next_output_token_id())
+            sampled.append(request)
+            if request.num_output_tokens >= request.max_tokens or (
+                request.num_tokens >= max_model_len
+            ):
+                request.mark_finished()
+                self.kv_cache_manager.free(request)
+                del requests[request_id]
+                finished.append(request)
+        if finished:
+            done = {id(r) for r in finished}
+            self.running = [r for r in self.running if id(r) not in done]
+        return StepUpdate(sampled, finished)
