@@ -34,6 +34,8 @@ class SchedulerOutput:
     num_scheduled_tokens: dict[str, int]
     # Requests admitted from the waiting queue this step (new or resumed after preemption).
     admitted_ids: list[str]
+    # Prefix-hit tokens of each admitted request, parallel to ``admitted_ids``.
+    admitted_hit_tokens: list[int]
     # Requests preempted this step, in preemption order.
     preempted_ids: list[str]
     # Prefix-cache lookups of admitted requests: tokens asked for and tokens hit

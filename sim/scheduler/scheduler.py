@@ -85,6 +85,7 @@ class Scheduler:
         num_scheduled: dict[str, int] = {}
         preempted: list[Request] = []
         admitted_ids: list[str] = []
+        admitted_hit_tokens: list[int] = []
         # vLLM lifts the long-prefill cap when there is nobody else to starve.
         threshold = self.long_prefill_token_threshold
         if len(running) + len(self.waiting) <= 1:
@@ -158,6 +159,7 @@ class Scheduler:
                 running.append(request)
                 request.mark_running(num_hit)
                 admitted_ids.append(request.request_id)
+                admitted_hit_tokens.append(num_hit)
                 num_scheduled[request.request_id] = num_new
                 token_budget -= num_new
 
@@ -182,6 +184,7 @@ class Scheduler:
             step=self.num_steps,
             num_scheduled_tokens=num_scheduled,
             admitted_ids=admitted_ids,
+            admitted_hit_tokens=admitted_hit_tokens,
             preempted_ids=[r.request_id for r in preempted],
             num_prefix_query_tokens=num_query_tokens,
             num_prefix_hit_tokens=num_hit_tokens,

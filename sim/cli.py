@@ -1,0 +1,116 @@
+"""The ``kvsim`` command line."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from sim.errors import KvsimConfigError
+
+app = typer.Typer(
+    name="kvsim",
+    help="Simulate vLLM's KV cache and scheduler under agent-fleet traffic.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def fail(message: str) -> typer.Exit:
+    """Print one paragraph to stderr and return the exit to raise (status 2)."""
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+@app.command()
+def run(
+    scenario: Annotated[
+        Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field, e.g. --set engine.max_num_seqs=128."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option("--out", help="Run directory (default: a new one in runs/).")
+    ] = None,
+    calibration: Annotated[
+        Path | None, typer.Option(help="Calibration profile JSON from `kvsim calibrate`.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Simulate a scenario; write its run directory and print the summary."""
+    from sim.cost_model import load_cost_params
+    from sim.report import summary_table
+    from sim.results import new_run_dir, write_run
+    from sim.runner import simulate
+    from sim.scenario import DEFAULT_SCENARIO, load_scenario
+
+    try:
+        spec = load_scenario(scenario or DEFAULT_SCENARIO, set_ or [])
+        profile = load_cost_params(calibration) if calibration is not None else None
+        out_dir = out or new_run_dir(Path("runs"), spec.name)
+        if out_dir.exists():
+            raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites a run")
+        started = time.perf_counter()
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            TextColumn("{task.fields[status]}"),
+            TimeElapsedColumn(),
+            console=err_console,
+            disable=quiet or not err_console.is_terminal,
+            transient=True,
+        ) as bar:
+            task = bar.add_task(f"simulating {spec.name}", total=None, status="")
+
+            def progress(now_s: float, finished: int, expected: int | None) -> None:
+                bar.update(
+                    task,
+                    total=expected,
+                    completed=finished,
+                    status=f"sim t={now_s:,.0f} s, {finished:,} requests done",
+                )
+
+            result = simulate(spec, profile, progress)
+        wall_s = time.perf_counter() - started
+        write_run(out_dir, result.summary, result.requests, result.steps, result.scenario_yaml)
+    except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    console.print(summary_table(result.summary))
+    sim_s = result.summary["duration_s"]
+    console.print(
+        f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "
+        f"{wall_s:,.1f} s wall ({sim_s / wall_s:,.0f} simulated s per wall s); run written to "
+        f"{out_dir}",
+        highlight=False,
+    )
+
+
+@app.command()
+def scenarios() -> None:
+    """List the shipped scenarios and the question each answers."""
+    from sim.scenario import SCENARIO_DIR, load_scenario
+
+    for path in sorted(SCENARIO_DIR.glob("*.yaml")):
+        try:
+            spec = load_scenario(path)
+            console.print(f"[bold]{path.name}[/bold]: {spec.description}", highlight=False)
+        except KvsimConfigError as exc:
+            console.print(f"[red]{path.name}[/red]: {exc}", highlight=False)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""Metrics: pure functions from a run's request and step tables to its summary.
+
+Names follow vLLM's Prometheus metrics (``vllm:time_to_first_token_seconds`` ...) so one
+dashboard reads simulated and measured runs alike. Latency stats are p50/p90/p99/mean;
+KV usage is time-weighted over steps (a long step counts for its duration).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+TTFT = "vllm:time_to_first_token_seconds"
+ITL = "vllm:inter_token_latency_seconds"
+E2E = "vllm:e2e_request_latency_seconds"
+QUEUE = "vllm:request_queue_time_seconds"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PREEMPTIONS = "vllm:num_preemptions"
+PREFIX_HITS = "vllm:prefix_cache_hits"
+PREFIX_QUERIES = "vllm:prefix_cache_queries"
+RUNNING = "vllm:num_requests_running"
+WAITING = "vllm:num_requests_waiting"
+
+
+def _clean(x: float) -> float | None:
+    """JSON-safe float: NaN (no sample) becomes None."""
+    return None if x is None or (isinstance(x, float) and math.isnan(x)) else float(x)
+
+
+def latency_stats(values: np.ndarray | pd.Series) -> dict[str, float | None]:
+    """p50/p90/p99/mean of the finite samples; None where there are none."""
+    arr = np.asarray(values, dtype=float)
+    arr = arr[np.isfinite(arr)]
+    if arr.size == 0:
+        return {"p50": None, "p90": None, "p99": None, "mean": None, "count": 0}
+    p50, p90, p99 = np.percentile(arr, [50, 90, 99])
+    return {
+        "p50": float(p50),
+        "p90": float(p90),
+        "p99": float(p99),
+        "mean": float(arr.mean()),
+        "count": int(arr.size),
+    }
+
+
+def itl_samples(requests: pd.DataFrame) -> np.ndarray:
+    """Every inter-token gap of every request (vLLM's ITL histogram observes each one)."""
+    gaps = [np.diff(np.asarray(t, dtype=float)) for t in requests["token_times_s"] if len(t) > 1]
+    return np.concatenate(gaps) if gaps else np.empty(0)
+
+
+def time_weighted(values: pd.Series, weights: pd.Series) -> float:
+    total = float(weights.sum())
+    if total <= 0:
+        return float(values.mean()) if len(values) else math.nan
+    return float((values * weights).sum() / total)
+
+
+def kv_usage_stats(steps: pd.DataFrame) -> dict[str, float | None]:
+    if steps.empty:
+        return {"mean": None, "p95": None, "peak": None}
+    usage = steps["kv_cache_usage_perc"]
+    return {
+        "mean": _clean(time_weighted(usage, steps["duration_s"])),
+        "p95": float(np.percentile(usage, 95)),
+        "peak": float(usage.max()),
+    }
+
+
+def kv_waste(steps: pd.DataFrame, num_usable_blocks: int, block_size: int) -> dict[str, Any]:
+    """Slots in allocated blocks that hold no token (partial tail blocks, chunk look-ahead).
+
+    Reported as a share of allocated slots (time-weighted) and as a mean slot count.
+    """
+    if steps.empty:
+        return {"unused_slots_mean": None, "unused_slot_frac_of_allocated": None}
+    used_blocks = num_usable_blocks * steps["kv_cache_usage_perc"]
+    allocated = (used_blocks * block_size).where(lambda s: s > 0)
+    frac = (steps["kv_unused_slots"] / allocated).fillna(0.0)
+    return {
+        "unused_slots_mean": _clean(time_weighted(steps["kv_unused_slots"], steps["duration_s"])),
+        "unused_slot_frac_of_allocated": _clean(time_weighted(frac, steps["duration_s"])),
+    }
+
+
+def peak_concurrent_sessions(requests: pd.DataFrame, end_s: float) -> int:
+    """Most agent sessions alive at once (first arrival to last finish of each session)."""
+    sessions = requests[requests["session_id"] >= 0]
+    if sessions.empty:
+        return 0
+    spans = sessions.groupby("session_id").agg(start=("arrival_s", "min"), end=("finish_s", "max"))
+    ends = spans["end"].fillna(end_s).to_numpy()
+    events = np.concatenate(
+        [
+            np.stack([spans["start"].to_numpy(), np.ones(len(spans))], 1),
+            np.stack([ends, -np.ones(len(spans))], 1),
+        ]
+    )
+    # Ends sort before starts at the same instant: a session that ends as another starts
+    # is not concurrent with it.
+    order = np.lexsort((events[:, 1], events[:, 0]))
+    return int(np.cumsum(events[order, 1]).max())
+
+
+def slo_mask(requests: pd.DataFrame, slos: dict[str, float | None]) -> pd.Series:
+    """Finished requests meeting every set SLO (per request: its TTFT, mean ITL, E2E)."""
+    ok = requests["finish_s"].notna()
+    if slos.get("ttft_p99_s") is not None:
+        ok &= requests["ttft_s"] <= slos["ttft_p99_s"]
+    if slos.get("itl_p99_s") is not None:
+        ok &= requests["mean_itl_s"].fillna(0.0) <= slos["itl_p99_s"]
+    if slos.get("e2e_p99_s") is not None:
+        ok &= requests["e2e_s"] <= slos["e2e_p99_s"]
+    return ok
+
+
+def slo_report(latency: dict[str, dict[str, Any]], slos: dict[str, float | None]) -> dict[str, Any]:
+    """Pass/fail of each set SLO against the run's p99."""
+    report = {}
+    for key, metric in (("ttft_p99_s", TTFT), ("itl_p99_s", ITL), ("e2e_p99_s", E2E)):
+        target = slos.get(key)
+        if target is None:
+            continue
+        value = latency[metric]["p99"]
+        report[key] = {
+            "target": target,
+            "value": value,
+            "pass": value is not None and value <= target,
+        }
+    return report
+
+
+def summarize(
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    *,
+    duration_s: float,
+    num_usable_blocks: int,
+    block_size: int,
+    slos: dict[str, float | None],
+) -> dict[str, Any]:
+    """The ``metrics`` and ``slos`` sections of summary.json."""
+    finished = requests[requests["finish_s"].notna()]
+    latency = {
+        TTFT: latency_stats(requests["ttft_s"]),
+        ITL: latency_stats(itl_samples(requests)),
+        E2E: latency_stats(finished["e2e_s"]),
+        QUEUE: latency_stats(requests["queue_s"]),
+    }
+    span_s = duration_s if duration_s > 0 else math.nan
+    output_tokens = int(requests["output_tokens"].sum())
+    queries = int(steps["prefix_cache_queries"].sum()) if not steps.empty else 0
+    hits = int(steps["prefix_cache_hits"].sum()) if not steps.empty else 0
+    preempted = requests["num_preemptions"]
+    good = slo_mask(requests, slos)
+    metrics: dict[str, Any] = {
+        **latency,
+        KV_USAGE: kv_usage_stats(steps),
+        PREEMPTIONS: {
+            "total": int(preempted.sum()),
+            "requests_preempted": int((preempted > 0).sum()),
+            "per_request_mean": _clean(float(preempted.mean())) if len(preempted) else None,
+            "per_request_max": int(preempted.max()) if len(preempted) else 0,
+        },
+        PREFIX_QUERIES: queries,
+        PREFIX_HITS: hits,
+        "prefix_cache_hit_rate": hits / queries if queries else None,
+        RUNNING: {
+            "mean": _clean(time_weighted(steps[RUNNING.split(":")[1]], steps["duration_s"]))
+            if not steps.empty
+            else None,
+            "peak": int(steps["num_requests_running"].max()) if not steps.empty else 0,
+        },
+        WAITING: {"peak": int(steps["num_requests_waiting"].max()) if not steps.empty else 0},
+        "output_throughput_tok_s": _clean(output_tokens / span_s),
+        "request_throughput_req_s": _clean(len(finished) / span_s),
+        "goodput_req_s": _clean(int(good.sum()) / span_s),
+        "slo_attainment": _clean(float(good.mean())) if len(requests) else None,
+        "kv_waste": kv_waste(steps, num_usable_blocks, block_size),
+        "peak_concurrent_sessions": peak_concurrent_sessions(requests, duration_s),
+        "num_steps": len(steps),
+    }
+    return {"metrics": metrics, "slos": slo_report(latency, slos)}

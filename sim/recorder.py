@@ -1,0 +1,208 @@
+"""Records what happened, per request and per step, in the results schema of design.md.
+
+The recorder is written to from the engine's hot loop, so it appends to plain lists and
+only builds DataFrames at the end. It keeps a reference to a request only while the request
+is alive: a finished agent turn can hold tens of thousands of token ids.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+import pandas as pd
+
+from sim.request import Request
+from sim.scheduler.output import SchedulerOutput, StepUpdate
+from sim.workload.base import RequestMeta
+
+if TYPE_CHECKING:
+    from sim.scheduler.scheduler import Scheduler
+
+NAN = math.nan
+
+
+class RequestRecord:
+    """The life of one request; scalars copied out of the request when it finishes."""
+
+    __slots__ = (
+        "arrival_s",
+        "cached_tokens",
+        "finish_s",
+        "first_scheduled_s",
+        "meta",
+        "num_preemptions",
+        "output_tokens",
+        "priority",
+        "prompt_tokens",
+        "request",
+        "request_id",
+        "token_times_s",
+    )
+
+    def __init__(self, request: Request, meta: RequestMeta, arrival_s: float) -> None:
+        self.request: Request | None = request
+        self.request_id = request.request_id
+        self.meta = meta
+        self.priority = request.priority
+        self.arrival_s = arrival_s
+        self.prompt_tokens = request.num_prompt_tokens
+        self.output_tokens = 0
+        self.first_scheduled_s = NAN
+        self.finish_s = NAN
+        self.cached_tokens = -1  # prefix-hit tokens at first admission; -1 until admitted
+        self.num_preemptions = 0
+        self.token_times_s: list[float] = []
+
+
+class Recorder:
+    """Collects request and step records during a run."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.requests: dict[str, RequestRecord] = {}
+        self._order: list[RequestRecord] = []
+        self.steps: dict[str, list[float]] = {name: [] for name in STEP_COLUMNS}
+
+    def on_arrival(self, request: Request, meta: RequestMeta, now_s: float) -> None:
+        record = RequestRecord(request, meta, now_s)
+        self.requests[request.request_id] = record
+        self._order.append(record)
+
+    def on_step(
+        self,
+        output: SchedulerOutput,
+        update: StepUpdate,
+        start_s: float,
+        end_s: float,
+        scheduler: Scheduler,
+    ) -> None:
+        records = self.requests
+        for request_id, num_hit in zip(
+            output.admitted_ids, output.admitted_hit_tokens, strict=True
+        ):
+            record = records[request_id]
+            if record.cached_tokens < 0:
+                record.first_scheduled_s = start_s
+                record.cached_tokens = num_hit
+        for request in update.sampled:
+            records[request.request_id].token_times_s.append(end_s)
+        for request in update.finished:
+            record = records[request.request_id]
+            record.finish_s = end_s
+            record.output_tokens = request.num_output_tokens
+            record.num_preemptions = request.num_preemptions
+            record.request = None
+        # Slots in blocks held by running requests that hold no token yet: the partial tail
+        # block of each request (internal fragmentation) plus slots allocated ahead.
+        tables = scheduler.kv_cache_manager.req_to_blocks
+        running = scheduler.running
+        held_slots = sum(len(tables[r.request_id]) for r in running) * self.block_size
+        unused_slots = held_slots - sum(r.num_computed_tokens for r in running)
+        shape = output.shape
+        steps = self.steps
+        steps["step"].append(output.step)
+        steps["start_s"].append(start_s)
+        steps["duration_s"].append(end_s - start_s)
+        steps["num_prefill_tokens"].append(shape.num_prefill_tokens)
+        steps["num_decode_tokens"].append(shape.num_decode_reqs)
+        steps["num_prefill_reqs"].append(shape.num_prefill_reqs)
+        steps["decode_context_tokens"].append(shape.decode_context_tokens)
+        steps["prefill_attention_pairs"].append(shape.prefill_attention_pairs)
+        steps["num_requests_running"].append(output.num_running)
+        steps["num_requests_waiting"].append(output.num_waiting)
+        steps["kv_cache_usage_perc"].append(output.kv_usage)
+        steps["num_free_blocks"].append(output.num_free_blocks)
+        steps["num_preemptions"].append(len(output.preempted_ids))
+        steps["prefix_cache_queries"].append(output.num_prefix_query_tokens)
+        steps["prefix_cache_hits"].append(output.num_prefix_hit_tokens)
+        steps["resumed_prefix_cache_hits"].append(output.num_resumed_prefix_hit_tokens)
+        steps["kv_unused_slots"].append(unused_slots)
+        steps["num_swapped_out_blocks"].append(0)
+        steps["num_swapped_in_blocks"].append(0)
+
+    # -- tables -------------------------------------------------------------------------------
+    def requests_frame(self) -> pd.DataFrame:
+        """One row per request (finished or not), in arrival order."""
+        rows = []
+        for rec in self._order:
+            times = rec.token_times_s
+            if rec.request is not None:  # unfinished at the end of the run
+                rec.output_tokens = rec.request.num_output_tokens
+                rec.num_preemptions = rec.request.num_preemptions
+            first_token = times[0] if times else NAN
+            itl = np.diff(times) if len(times) > 1 else None
+            rows.append(
+                (
+                    rec.request_id,
+                    rec.meta.session_id if rec.meta.session_id is not None else -1,
+                    rec.meta.turn if rec.meta.turn is not None else -1,
+                    rec.meta.subcall if rec.meta.subcall is not None else -1,
+                    rec.meta.priority_class,
+                    rec.priority,
+                    rec.arrival_s,
+                    rec.first_scheduled_s,
+                    first_token,
+                    rec.finish_s,
+                    rec.prompt_tokens,
+                    rec.output_tokens,
+                    max(rec.cached_tokens, 0),
+                    rec.num_preemptions,
+                    first_token - rec.arrival_s,
+                    rec.finish_s - rec.arrival_s,
+                    rec.first_scheduled_s - rec.arrival_s,
+                    float(itl.mean()) if itl is not None else NAN,
+                    times,
+                )
+            )
+        return pd.DataFrame.from_records(rows, columns=REQUEST_COLUMNS)
+
+    def steps_frame(self) -> pd.DataFrame:
+        """One row per engine step."""
+        return pd.DataFrame(self.steps)
+
+
+REQUEST_COLUMNS = [
+    "request_id",
+    "session_id",
+    "turn",
+    "subcall",
+    "priority_class",
+    "priority",
+    "arrival_s",
+    "first_scheduled_s",
+    "first_token_s",
+    "finish_s",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "num_preemptions",
+    "ttft_s",
+    "e2e_s",
+    "queue_s",
+    "mean_itl_s",
+    "token_times_s",
+]
+
+STEP_COLUMNS = [
+    "step",
+    "start_s",
+    "duration_s",
+    "num_prefill_tokens",
+    "num_decode_tokens",
+    "num_prefill_reqs",
+    "decode_context_tokens",
+    "prefill_attention_pairs",
+    "num_requests_running",
+    "num_requests_waiting",
+    "kv_cache_usage_perc",
+    "num_free_blocks",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "resumed_prefix_cache_hits",
+    "kv_unused_slots",
+    "num_swapped_out_blocks",
+    "num_swapped_in_blocks",
+]

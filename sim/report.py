@@ -1,0 +1,79 @@
+"""Rich tables for the terminal: the summary a run ends with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Group
+from rich.table import Table
+
+from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:,.1f} ms"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _num(value: float | None, fmt: str = ",.1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def latency_table(summary: dict[str, Any]) -> Table:
+    """p50/p90/p99/mean of TTFT, ITL, E2E and queue time."""
+    m = summary["metrics"]
+    title = (
+        f"{summary['scenario']}: {summary['model']} on {summary['hardware']} "
+        f"[{summary['source']}] {summary['num_finished']:,}/{summary['num_requests']:,} "
+        f"requests in {summary['duration_s']:,.1f} s"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in ("latency", "p50", "p90", "p99", "mean"):
+        table.add_column(col, justify="left" if col == "latency" else "right")
+    for name, key in (("TTFT", TTFT), ("ITL", ITL), ("E2E", E2E), ("queue", QUEUE)):
+        s = m[key]
+        table.add_row(name, _ms(s["p50"]), _ms(s["p90"]), _ms(s["p99"]), _ms(s["mean"]))
+    return table
+
+
+def capacity_table(summary: dict[str, Any]) -> Table:
+    """KV cache, preemption, prefix cache, throughput and SLO verdicts."""
+    m = summary["metrics"]
+    kv = m[KV_USAGE]
+    p = m[PREEMPTIONS]
+    table = Table(show_header=True)
+    table.add_column("engine")
+    table.add_column("value", justify="right")
+    rows = [
+        (
+            "KV cache usage mean / p95 / peak",
+            f"{_pct(kv['mean'])} / {_pct(kv['p95'])} / {_pct(kv['peak'])}",
+        ),
+        ("KV slots allocated but empty", _pct(m["kv_waste"]["unused_slot_frac_of_allocated"])),
+        (
+            "preemptions (requests hit, max per request)",
+            f"{p['total']:,} ({p['requests_preempted']:,}, {p['per_request_max']})",
+        ),
+        ("prefix cache hit rate", _pct(m["prefix_cache_hit_rate"])),
+        ("output throughput", f"{_num(m['output_throughput_tok_s'])} tok/s"),
+        ("request throughput", f"{_num(m['request_throughput_req_s'], '.2f')} req/s"),
+        (
+            "goodput (requests meeting every SLO)",
+            f"{_num(m['goodput_req_s'], '.2f')} req/s ({_pct(m['slo_attainment'])})",
+        ),
+        ("peak concurrent sessions", f"{m['peak_concurrent_sessions']:,}"),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    for key, verdict in (summary.get("slos") or {}).items():
+        mark = "[green]PASS[/green]" if verdict["pass"] else "[red]FAIL[/red]"
+        table.add_row(f"SLO {key} <= {_ms(verdict['target'])}", f"{_ms(verdict['value'])} {mark}")
+    return table
+
+
+def summary_table(summary: dict[str, Any]) -> Group:
+    """Both tables, as `kvsim run` prints them."""
+    return Group(latency_table(summary), capacity_table(summary))

@@ -1,0 +1,227 @@
+"""Closed-loop agent sessions: each turn re-sends the whole, growing context.
+
+A session starts with a system prompt and tool schemas shared by every session, then the user's
+message. Each turn submits the context so far, waits for the output, appends it, waits for the
+tool (sim time), appends the tool result and goes again, so turn k+1's prompt is turn k's prompt
+plus turn k's output plus the new tool result, token for token. That is the traffic whose
+prefix-cache hit rate and KV growth the simulator exists to study.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from typing import Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from sim.request import Request
+from sim.workload.base import RequestMeta, RequestSink
+from sim.workload.distributions import (
+    DEFAULT_PRIORITY_CLASSES,
+    ArrivalProcess,
+    FixedLength,
+    LatencyDist,
+    LengthDist,
+    LogNormalLatency,
+    LogNormalLength,
+    PoissonArrivals,
+    PriorityClass,
+    check_priority_classes,
+    sample_priority_classes,
+    stash,
+    stashed,
+)
+from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
+
+
+class FanoutConfig(BaseModel):
+    """Sub-agents: some turns launch ``width`` parallel calls on the turn's full context."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    probability: float = Field(ge=0, le=1, description="Chance that a turn fans out.")
+    width: int = Field(ge=1, description="Parallel sub-agent calls in a fan-out turn.")
+    task_tokens: LengthDist = Field(
+        FixedLength(value=64), description="Unique tokens each sub-call adds after the context."
+    )
+    output_tokens: LengthDist = Field(
+        FixedLength(value=256), description="Output tokens of each sub-call."
+    )
+
+
+class AgentSessionsWorkload(BaseModel):
+    """Agent sessions whose context grows every turn, separated by tool waits."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["agent_sessions"] = "agent_sessions"
+    sessions: int = Field(gt=0, description="Number of sessions.")
+    session_arrival: ArrivalProcess = Field(
+        PoissonArrivals(rate_per_s=1.0), description="When sessions start."
+    )
+    turns: LengthDist = Field(
+        FixedLength(value=10),
+        description="Turns per session (published: median 43 in vLLM's agent study, SWE-bench "
+        "10.9, BFCL 6.3).",
+    )
+    system_prompt_tokens: int = Field(
+        2000, ge=0, description="System prompt tokens, identical in every session."
+    )
+    tool_schema_tokens: int = Field(
+        1500, ge=0, description="Tool schema tokens after the system prompt, shared by all."
+    )
+    user_message_tokens: LengthDist = Field(
+        LogNormalLength(median=200, sigma=0.8, min=16, max=4000),
+        description="Tokens of the user's first message (turn 0).",
+    )
+    tool_result_tokens: LengthDist = Field(
+        LogNormalLength(median=1000, sigma=1.0, min=16, max=8000),
+        description="Tokens of the tool result appended before each later turn.",
+    )
+    output_tokens: LengthDist = Field(
+        LogNormalLength(median=200, sigma=0.8, min=8, max=2048),
+        description="Output tokens of each turn's request.",
+    )
+    tool_latency: LatencyDist = Field(
+        LogNormalLatency(median_s=1.5, p95_s=20.0),
+        description="Sim time between a turn's last token and the next turn's submission.",
+    )
+    fanout: FanoutConfig | None = Field(None, description="Sub-agent fan-out; None: never.")
+    priority_classes: list[PriorityClass] = Field(
+        list(DEFAULT_PRIORITY_CLASSES), description="Traffic classes; each session draws one."
+    )
+    max_context_tokens: int | None = Field(
+        None,
+        gt=0,
+        description="A session ends when its next prompt + output would exceed this (or the "
+        "engine's max_model_len, whichever is smaller).",
+    )
+    vocab_size: int = Field(
+        DEFAULT_VOCAB_SIZE, gt=MIN_TOKEN_ID, description="Token ids are drawn below this."
+    )
+
+    @field_validator("priority_classes")
+    @classmethod
+    def _check_classes(cls, classes: list[PriorityClass]) -> list[PriorityClass]:
+        check_priority_classes(classes)
+        return classes
+
+    @model_validator(mode="after")
+    def _check_context_cap(self) -> AgentSessionsWorkload:
+        shared = self.system_prompt_tokens + self.tool_schema_tokens
+        if self.max_context_tokens is not None and shared >= self.max_context_tokens:
+            raise ValueError(
+                f"system_prompt_tokens + tool_schema_tokens = {shared} leaves no room under "
+                f"max_context_tokens={self.max_context_tokens}"
+            )
+        return self
+
+    def expected_num_requests(self) -> int | None:
+        """Sum of the sessions' turns (before start: only if turns are fixed); None with
+        fan-out. Sessions cut short by max_context_tokens submit fewer."""
+        if self.fanout is not None:
+            return None
+        planned = stashed(self, "_num_planned_requests")
+        if planned is not None:
+            return planned
+        if isinstance(self.turns, FixedLength):
+            return self.sessions * self.turns.value
+        return None
+
+    def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
+        """Plan sessions (start time, turns, class) and spawn one SimPy process per session."""
+        # One child generator per session: a session's tokens, lengths and tool latencies do
+        # not depend on how the engine interleaves sessions, so two engine configs run with the
+        # same seed see the same sessions.
+        prefix_rng, plan_rng, *session_rngs = rng.spawn(2 + self.sessions)
+        start_times_s = self.session_arrival.arrival_times(plan_rng, self.sessions)
+        num_turns = self.turns.sample(plan_rng, self.sessions)
+        class_ids = sample_priority_classes(plan_rng, self.priority_classes, self.sessions)
+        # Turn counts are only known once drawn: kept for progress bars (last start wins).
+        stash(self, "_num_planned_requests", int(num_turns.sum()))
+        shared = TokenSource(prefix_rng, self.vocab_size).take(
+            self.system_prompt_tokens + self.tool_schema_tokens
+        )
+        # Hashed once; every session forks it, so the shared prefix is identical token for token.
+        prefix = Context(sink.block_size, shared)
+        for session_id in range(self.sessions):
+            sink.env.process(
+                self._session(
+                    sink,
+                    session_id,
+                    float(start_times_s[session_id]),
+                    int(num_turns[session_id]),
+                    self.priority_classes[int(class_ids[session_id])],
+                    prefix.copy(),
+                    session_rngs[session_id],
+                )
+            )
+
+    def _session(
+        self,
+        sink: RequestSink,
+        session_id: int,
+        start_s: float,
+        num_turns: int,
+        cls: PriorityClass,
+        context: Context,
+        rng: np.random.Generator,
+    ) -> Generator[Any, Any, None]:
+        env = sink.env
+        tokens = TokenSource(rng, self.vocab_size)
+        cap = sink.max_model_len
+        if self.max_context_tokens is not None:
+            cap = min(cap, self.max_context_tokens)
+        if start_s > env.now:
+            yield env.timeout(start_s - env.now)
+        for turn in range(num_turns):
+            piece_dist = self.user_message_tokens if turn == 0 else self.tool_result_tokens
+            piece = tokens.take(_one(piece_dist.sample(rng, 1)))
+            fanout = self.fanout
+            is_fanout = fanout is not None and rng.random() < fanout.probability
+            if is_fanout:
+                tasks = [tokens.take(n) for n in fanout.task_tokens.sample(rng, fanout.width)]
+                outputs = [tokens.take(n) for n in fanout.output_tokens.sample(rng, fanout.width)]
+            else:
+                tasks = [[]]
+                outputs = [tokens.take(_one(self.output_tokens.sample(rng, 1)))]
+            longest = max(len(task) + len(out) for task, out in zip(tasks, outputs, strict=True))
+            if len(context) + len(piece) + longest > cap:
+                return  # the context no longer fits: the session ends, as an agent's would
+            context.append(piece)
+            done = []
+            for j, (task, out) in enumerate(zip(tasks, outputs, strict=True)):
+                request_id = (
+                    f"s{session_id}-t{turn}-f{j}" if is_fanout else f"s{session_id}-t{turn}"
+                )
+                request = Request(
+                    request_id,
+                    context.token_ids + task if task else context.token_ids,
+                    max_tokens=len(out),
+                    block_size=sink.block_size,
+                    arrival_time_s=env.now,
+                    priority=cls.priority,
+                    output_token_ids=out,
+                    prompt_block_hashes=(
+                        context.block_hashes_with(task) if task else context.block_hashes
+                    ),
+                )
+                meta = RequestMeta(
+                    session_id=session_id,
+                    turn=turn,
+                    priority_class=cls.name,
+                    subcall=j if is_fanout else None,
+                )
+                done.append(sink.submit(request, meta))
+            yield env.all_of(done)
+            # The planned outputs are what the engine emitted (Request.next_output_token_id);
+            # sub-call outputs come back in call order, like the results of a parallel call.
+            for out in outputs:
+                context.append(out)
+            if turn + 1 < num_turns:
+                yield env.timeout(float(self.tool_latency.sample(rng, 1)[0]))
+
+
+def _one(lengths: np.ndarray) -> int:
+    return int(lengths[0])

@@ -1,0 +1,59 @@
+"""What a workload is to the engine: SimPy processes that submit requests and wait on them.
+
+A workload never touches the scheduler. It builds :class:`sim.request.Request` objects
+(token ids chosen deterministically from the run's ``numpy.random.Generator``, so shared
+prefixes are really shared and nothing else is) and hands them to a :class:`RequestSink`
+(the engine). ``submit`` returns a SimPy event that fires when the request has produced its
+last token, which is what a closed-loop agent session waits on before its tool call.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+import simpy
+
+from sim.request import Request
+
+
+@dataclass(frozen=True, slots=True)
+class RequestMeta:
+    """Who sent a request: recorded next to it in ``requests.parquet``."""
+
+    session_id: int | None = None
+    turn: int | None = None
+    # Name of the priority class ("interactive", "background", ...); "default" if none.
+    priority_class: str = "default"
+    # Index of the sub-agent call within a fan-out turn (None for the main call).
+    subcall: int | None = None
+
+
+class RequestSink(Protocol):
+    """The engine, as a workload sees it."""
+
+    @property
+    def env(self) -> simpy.Environment: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
+        """Queue ``request`` now; the event fires with the request when it has finished."""
+        ...
+
+
+class Workload(Protocol):
+    """A traffic source. ``start`` is called once, at simulated time 0."""
+
+    def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
+        """Spawn the SimPy processes that submit this workload's requests."""
+        ...
+
+    def expected_num_requests(self) -> int | None:
+        """How many requests the workload will submit, if known (for progress bars)."""
+        ...

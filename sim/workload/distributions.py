@@ -1,0 +1,295 @@
+"""The random pieces of a workload: token lengths, arrival times, tool latencies, priority mixes.
+
+Each is a small frozen pydantic config, discriminated on ``kind`` so a scenario names it in
+YAML, with a vectorised ``sample(rng, n)``. Workloads draw from the run's generator (or a
+child spawned from it), never from global state.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+# z-score of the 95th percentile of a standard normal: p95 = median * exp(1.645 * sigma).
+_Z95 = 1.6448536269514722
+
+
+class _Config(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class _Stashed:
+    """Holds a value a frozen config derives after parsing (a file's contents, a run's plan).
+
+    It lives in the instance ``__dict__`` under a non-field name, as ``functools.cached_property``
+    values do, so pydantic leaves it out of dumps and, thanks to this ``__eq__``, out of equality
+    (pydantic compares ``__dict__`` first; a numpy array there would make ``==`` raise, and a
+    PrivateAttr would make two equal configs unequal once one had run).
+    """
+
+    __slots__ = ("value",)
+    __hash__ = None  # type: ignore[assignment]
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stashed)
+
+
+def stash(config: BaseModel, name: str, value: Any) -> None:
+    """Attach derived ``value`` to a frozen ``config`` without changing what it compares as."""
+    config.__dict__[name] = _Stashed(value)
+
+
+def stashed(config: BaseModel, name: str) -> Any | None:
+    """What :func:`stash` attached under ``name``, or None."""
+    holder = config.__dict__.get(name)
+    return None if holder is None else holder.value
+
+
+# -- token lengths (also used for turns per session) --------------------------------------------
+class FixedLength(_Config):
+    """Always the same length."""
+
+    kind: Literal["fixed"] = "fixed"
+    value: int = Field(gt=0, description="The length (tokens, or turns for turns-per-session).")
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` copies of ``value``."""
+        return np.full(n, self.value, dtype=np.int64)
+
+
+class UniformLength(_Config):
+    """Uniform integer length in ``[low, high]``, both ends included."""
+
+    kind: Literal["uniform"] = "uniform"
+    low: int = Field(gt=0, description="Smallest length, inclusive.")
+    high: int = Field(gt=0, description="Largest length, inclusive.")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> UniformLength:
+        if self.low > self.high:
+            raise ValueError(f"uniform length: low={self.low} > high={self.high}")
+        return self
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` integers drawn uniformly from ``[low, high]``."""
+        return rng.integers(self.low, self.high + 1, size=n, dtype=np.int64)
+
+
+class LogNormalLength(_Config):
+    """Log-normal length (heavy right tail, like prompt and output lengths), rounded, clipped."""
+
+    kind: Literal["lognormal"] = "lognormal"
+    median: float = Field(gt=0, description="Median length (exp of the log-mean).")
+    sigma: float = Field(ge=0, description="Standard deviation of the log length.")
+    min: int = Field(1, ge=1, description="Lengths below this are raised to it.")
+    max: int | None = Field(None, ge=1, description="Lengths above this are cut to it.")
+
+    @model_validator(mode="after")
+    def _check_range(self) -> LogNormalLength:
+        if self.max is not None and self.min > self.max:
+            raise ValueError(f"lognormal length: min={self.min} > max={self.max}")
+        return self
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` log-normal lengths, rounded to integers and clipped to ``[min, max]``."""
+        draws = np.rint(rng.lognormal(math.log(self.median), self.sigma, size=n))
+        return np.clip(draws, self.min, self.max).astype(np.int64)
+
+
+class EmpiricalLength(_Config):
+    """Resample observed lengths: inline ``values`` or a ``path`` (one integer per line, or a CSV
+    column). The file is read on first use, not when the scenario is parsed."""
+
+    kind: Literal["empirical"] = "empirical"
+    values: list[int] | None = Field(None, description="Observed lengths to resample from.")
+    path: str | None = Field(
+        None, description="File of observed lengths: one integer per line, or a .csv file."
+    )
+    column: str | None = Field(
+        None, description="CSV column holding the lengths (needed if the CSV has several)."
+    )
+
+    @model_validator(mode="after")
+    def _check_source(self) -> EmpiricalLength:
+        if (self.values is None) == (self.path is None):
+            raise ValueError("empirical length: give exactly one of values or path")
+        if self.values is not None:
+            if not self.values:
+                raise ValueError("empirical length: values is empty")
+            bad = [v for v in self.values if v < 1]
+            if bad:
+                raise ValueError(f"empirical length: values must be >= 1, got {bad[:5]}")
+        if self.column is not None and self.path is None:
+            raise ValueError(f"empirical length: column={self.column!r} needs a path")
+        return self
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` lengths drawn with replacement from the observed ones."""
+        observed = stashed(self, "_observed")
+        if observed is None:
+            values = self.values if self.values is not None else _read_lengths(self)
+            observed = np.asarray(values, dtype=np.int64)
+            stash(self, "_observed", observed)
+        return rng.choice(observed, size=n)
+
+
+def _read_lengths(dist: EmpiricalLength) -> list[int]:
+    path = Path(dist.path or "")
+    values: list[int] = []
+    with path.open(newline="") as f:
+        if path.suffix.lower() == ".csv":
+            reader = csv.DictReader(f)
+            fields = reader.fieldnames or []
+            column = dist.column
+            if column is None:
+                if len(fields) != 1:
+                    raise ValueError(f"{path}: {len(fields)} columns {fields}; set column")
+                column = fields[0]
+            if column not in fields:
+                raise ValueError(f"{path}: no column {column!r}; columns are {fields}")
+            lines = ((reader.line_num, row[column]) for row in reader)
+        else:
+            lines = ((i, line) for i, line in enumerate(f, start=1))
+        for line_num, text in lines:
+            text = (text or "").strip()
+            if not text or text.startswith("#"):
+                continue
+            try:
+                value = int(text)
+            except ValueError:
+                value = 0
+            if value < 1:
+                raise ValueError(f"{path}:{line_num}: length {text!r} is not an integer >= 1")
+            values.append(value)
+    if not values:
+        raise ValueError(f"{path}: no lengths")
+    return values
+
+
+LengthDist = Annotated[
+    FixedLength | UniformLength | LogNormalLength | EmpiricalLength, Field(discriminator="kind")
+]
+
+
+# -- arrivals -----------------------------------------------------------------------------------
+class PoissonArrivals(_Config):
+    """Memoryless arrivals: exponential gaps at a constant mean rate."""
+
+    kind: Literal["poisson"] = "poisson"
+    rate_per_s: float = Field(gt=0, description="Mean arrivals per second.")
+
+    def arrival_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """Sorted arrival times (s) of ``n`` arrivals; the first comes one gap after 0."""
+        return np.cumsum(rng.exponential(1.0 / self.rate_per_s, size=n))
+
+
+class GammaArrivals(_Config):
+    """Bursty (cv > 1) or regular (cv < 1) arrivals: gamma-distributed gaps."""
+
+    kind: Literal["gamma"] = "gamma"
+    rate_per_s: float = Field(gt=0, description="Mean arrivals per second.")
+    cv: float = Field(
+        gt=0, description="Coefficient of variation of the gaps (1 = Poisson, > 1 = bursty)."
+    )
+
+    def arrival_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """Sorted arrival times (s) of ``n`` arrivals with mean gap ``1 / rate_per_s``."""
+        shape = 1.0 / (self.cv * self.cv)
+        return np.cumsum(rng.gamma(shape, 1.0 / (self.rate_per_s * shape), size=n))
+
+
+class BurstArrivals(_Config):
+    """Everything arrives at once (a fleet of agents started together)."""
+
+    kind: Literal["burst"] = "burst"
+    at_s: float = Field(0.0, ge=0, description="When the burst arrives (s).")
+
+    def arrival_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` copies of ``at_s``."""
+        return np.full(n, self.at_s, dtype=np.float64)
+
+
+ArrivalProcess = Annotated[
+    PoissonArrivals | GammaArrivals | BurstArrivals, Field(discriminator="kind")
+]
+
+
+# -- tool latency -------------------------------------------------------------------------------
+class LogNormalLatency(_Config):
+    """Heavy-tailed tool latency given by its median and 95th percentile."""
+
+    kind: Literal["lognormal"] = "lognormal"
+    median_s: float = Field(gt=0, description="Median tool latency (s).")
+    p95_s: float = Field(gt=0, description="95th-percentile tool latency (s).")
+
+    @model_validator(mode="after")
+    def _check_tail(self) -> LogNormalLatency:
+        if self.p95_s < self.median_s:
+            raise ValueError(
+                f"lognormal latency: p95_s={self.p95_s} is below median_s={self.median_s}"
+            )
+        return self
+
+    @property
+    def sigma(self) -> float:
+        """Standard deviation of the log latency."""
+        return math.log(self.p95_s / self.median_s) / _Z95
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` latencies (s)."""
+        return rng.lognormal(math.log(self.median_s), self.sigma, size=n)
+
+
+class FixedLatency(_Config):
+    """The same tool latency every time (exact timing in tests and what-ifs)."""
+
+    kind: Literal["fixed"] = "fixed"
+    value_s: float = Field(ge=0, description="Tool latency (s).")
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        """``n`` copies of ``value_s``."""
+        return np.full(n, self.value_s, dtype=np.float64)
+
+
+LatencyDist = Annotated[LogNormalLatency | FixedLatency, Field(discriminator="kind")]
+
+
+# -- priority mix -------------------------------------------------------------------------------
+class PriorityClass(_Config):
+    """A share of the traffic with one vLLM priority (interactive users, background agents)."""
+
+    name: str = Field(min_length=1, description="Label recorded with each request.")
+    priority: int = Field(0, description="vLLM request priority: lower is scheduled first.")
+    weight: float = Field(1.0, gt=0, description="Relative share of requests (or sessions).")
+
+
+DEFAULT_PRIORITY_CLASSES = (PriorityClass(name="default"),)
+
+
+def check_priority_classes(classes: list[PriorityClass]) -> None:
+    """Raise ``ValueError`` unless ``classes`` is non-empty with unique names."""
+    if not classes:
+        raise ValueError("priority_classes is empty; give at least one class")
+    names = [c.name for c in classes]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(f"priority_classes: duplicate names {duplicates}")
+
+
+def sample_priority_classes(
+    rng: np.random.Generator, classes: list[PriorityClass], n: int
+) -> np.ndarray:
+    """Indices into ``classes`` for ``n`` draws, in proportion to the weights."""
+    if len(classes) == 1:
+        # One class: no draw, so a plain scenario spends no randomness on the mix.
+        return np.zeros(n, dtype=np.int64)
+    weights = np.array([c.weight for c in classes], dtype=np.float64)
+    return rng.choice(len(classes), size=n, p=weights / weights.sum())

@@ -1,0 +1,165 @@
+import json
+
+import pytest
+from pydantic import ValidationError
+
+from sim.workload.trace import TraceRecord, TraceWorkload, load_trace
+from tests.sim.workload.fake_sink import run_workload, stream
+
+HASH = 8  # tokens per hash id: small so the test prompts stay small
+
+
+def write_jsonl(tmp_path, rows, name="trace.jsonl"):
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def make_trace(path, **overrides) -> TraceWorkload:
+    return TraceWorkload(**({"path": str(path), "hash_block_tokens": HASH} | overrides))
+
+
+MOONCAKE_ROWS = [
+    {"timestamp": 0, "input_length": 20, "output_length": 3, "hash_ids": [1, 2, 3]},
+    {"timestamp": 1500, "input_length": 30, "output_length": 2, "hash_ids": [1, 2, 4, 5]},
+    {"timestamp": 500, "input_length": 12, "output_length": 1, "hash_ids": [7, 2]},
+]
+
+
+def test_equal_hash_ids_give_identical_token_blocks(tmp_path):
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS)
+    sink = run_workload(make_trace(path, timestamp_unit="ms"), block_size=4)
+    first, third, second = (s.request.token_ids for s in sink.submissions)
+    assert first[:16] == second[:16]  # hash ids 1, 2
+    assert first[16:20] != second[16:20]  # 3 vs 4
+    assert third[8:12] == first[8:12]  # hash id 2 in a different position: same tokens
+    assert third[:8] != first[:8]
+    # input_length past the hashed blocks is unique; short of them, the last block is cut.
+    assert len(sink.submissions[0].request.token_ids) == 20 + 3
+    assert [s.request.num_prompt_tokens for s in sink.submissions] == [20, 12, 30]
+
+
+def test_arrival_times_follow_timestamps_unit_and_scale(tmp_path):
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS)
+    sink = run_workload(make_trace(path, timestamp_unit="ms", time_scale=2.0))
+    assert [s.submit_s for s in sink.submissions] == [0.0, 1.0, 3.0]
+    assert [s.request.request_id for s in sink.submissions] == ["req-0", "req-1", "req-2"]
+    assert [s.request.arrival_time_s for s in sink.submissions] == [0.0, 1.0, 3.0]
+
+
+def test_same_seed_same_stream(tmp_path):
+    workload = make_trace(write_jsonl(tmp_path, MOONCAKE_ROWS))
+    assert stream(run_workload(workload, seed=2)) == stream(run_workload(workload, seed=2))
+    assert stream(run_workload(workload, seed=2)) != stream(run_workload(workload, seed=3))
+
+
+def test_session_turn_priority_become_meta(tmp_path):
+    rows = [
+        {
+            "timestamp": 0.5,
+            "input_length": 4,
+            "output_length": 1,
+            "session_id": 3,
+            "turn": 1,
+            "priority": 2,
+        },
+        {"timestamp": 0.25, "input_length": 4, "output_length": 1, "extra": "ignored"},
+    ]
+    sink = run_workload(make_trace(write_jsonl(tmp_path, rows)))
+    plain, tagged = sink.submissions
+    assert (tagged.meta.session_id, tagged.meta.turn, tagged.meta.priority_class) == (3, 1, "p2")
+    assert tagged.request.priority == 2
+    assert (plain.meta.session_id, plain.meta.priority_class, plain.request.priority) == (
+        None,
+        "default",
+        0,
+    )
+
+
+def test_csv_trace(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text(
+        'timestamp,input_length,output_length,hash_ids,session_id\n0,16,2,"[1, 2]",\n1,16,2,1 2,4\n'
+    )
+    records = load_trace(path)
+    assert records == [
+        TraceRecord(line=2, timestamp_s=0.0, input_length=16, output_length=2, hash_ids=(1, 2)),
+        TraceRecord(
+            line=3,
+            timestamp_s=1.0,
+            input_length=16,
+            output_length=2,
+            session_id=4,
+            hash_ids=(1, 2),
+        ),
+    ]
+    a, b = run_workload(make_trace(path)).submissions
+    assert a.request.token_ids[:16] == b.request.token_ids[:16]
+
+
+@pytest.mark.parametrize(
+    ("line", "message"),
+    [
+        (
+            '{"timestamp": 1, "input_length": "ten", "output_length": 1}',
+            r"trace.jsonl:2: field 'input_length' = 'ten' is not an integer >= 1",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 0, "output_length": 1}',
+            r"trace.jsonl:2: field 'input_length' = 0 is not an integer >= 1",
+        ),
+        (
+            '{"timestamp": -1, "input_length": 5, "output_length": 1}',
+            r"trace.jsonl:2: field 'timestamp' = -1 is not a finite number >= 0",
+        ),
+        ('{"timestamp": 1, "input_length": 5}', r"trace.jsonl:2: missing field 'output_length'"),
+        (
+            '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": [1, -2]}',
+            r"trace.jsonl:2: field 'hash_ids' = -2 is not an integer >= 0",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 5, "output_length": 1, "hash_ids": 3}',
+            r"trace.jsonl:2: field 'hash_ids' = 3 is not a list of integers >= 0",
+        ),
+        (
+            '{"timestamp": 1, "input_length": 5, "output_length": 1, "session_id": 1.5}',
+            r"trace.jsonl:2: field 'session_id' = 1.5 is not an integer >= 0",
+        ),
+        ('{"timestamp": 1, "input_length": 5', r"trace.jsonl:2: not valid JSON"),
+        ("[1, 2]", r"trace.jsonl:2: expected a JSON object"),
+    ],
+)
+def test_malformed_row_names_file_line_field_and_value(tmp_path, line, message):
+    path = tmp_path / "trace.jsonl"
+    path.write_text('{"timestamp": 0, "input_length": 5, "output_length": 1}\n' + line + "\n")
+    with pytest.raises(ValueError, match=message):
+        load_trace(path)
+
+
+def test_malformed_csv_row_names_line(tmp_path):
+    path = tmp_path / "trace.csv"
+    path.write_text("timestamp,input_length,output_length\n0,5,1\n\n1,5,x\n")
+    with pytest.raises(ValueError, match=r"trace.csv:4: field 'output_length' = 'x'"):
+        load_trace(path)
+
+
+def test_format_from_suffix_or_field(tmp_path):
+    with pytest.raises(ValidationError, match=r"cannot infer the format from suffix '\.txt'"):
+        TraceWorkload(path="trace.txt")
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS, name="trace.txt")
+    assert len(run_workload(make_trace(path, format="jsonl")).submissions) == 3
+    with pytest.raises(ValueError, match="no rows"):
+        load_trace(write_jsonl(tmp_path, [], name="empty.jsonl"))
+
+
+def test_rows_longer_than_max_model_len(tmp_path):
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS)
+    with pytest.raises(
+        ValueError,
+        match=r"trace.jsonl:2: input_length 30 \+ output_length 2 "
+        r"exceeds max_model_len=31 \(1 such rows",
+    ):
+        run_workload(make_trace(path), max_model_len=31)
+    sink = run_workload(make_trace(path, on_too_long="skip"), max_model_len=31)
+    assert [s.request.num_prompt_tokens for s in sink.submissions] == [20, 12]
+    assert make_trace(path).expected_num_requests() == 3
