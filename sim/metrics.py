@@ -133,6 +133,18 @@ def slo_report(latency: dict[str, dict[str, Any]], slos: dict[str, float | None]
     return report
 
 
+def by_priority_class(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
+    """TTFT and E2E per priority class (interactive vs background agents...)."""
+    out = {}
+    for name, group in requests.groupby("priority_class", sort=True):
+        out[str(name)] = {
+            "count": len(group),
+            "ttft_s": latency_stats(group["ttft_s"]),
+            "e2e_s": latency_stats(group["e2e_s"]),
+        }
+    return out
+
+
 def summarize(
     requests: pd.DataFrame,
     steps: pd.DataFrame,
@@ -181,6 +193,7 @@ def summarize(
         "slo_attainment": _clean(float(good.mean())) if len(requests) else None,
         "kv_waste": kv_waste(steps, num_usable_blocks, block_size),
         "peak_concurrent_sessions": peak_concurrent_sessions(requests, duration_s),
+        "by_priority_class": by_priority_class(requests),
         "num_steps": len(steps),
     }
     return {"metrics": metrics, "slos": slo_report(latency, slos)}

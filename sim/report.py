@@ -68,6 +68,13 @@ def capacity_table(summary: dict[str, Any]) -> Table:
     ]
     for row in rows:
         table.add_row(*row)
+    classes = m.get("by_priority_class", {})
+    if len(classes) > 1:
+        for name, stats in classes.items():
+            table.add_row(
+                f"TTFT p50 / p99 of {name} ({stats['count']:,} requests)",
+                f"{_ms(stats['ttft_s']['p50'])} / {_ms(stats['ttft_s']['p99'])}",
+            )
     for key, verdict in (summary.get("slos") or {}).items():
         mark = "[green]PASS[/green]" if verdict["pass"] else "[red]FAIL[/red]"
         table.add_row(f"SLO {key} <= {_ms(verdict['target'])}", f"{_ms(verdict['value'])} {mark}")

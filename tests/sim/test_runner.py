@@ -1,0 +1,120 @@
+"""End-to-end runs of the simulator: theory checks, determinism, limits."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sim.cost_model import CostModel
+from sim.results import load_run, write_run
+from sim.runner import simulate
+from sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
+
+
+def open_loop_scenario(**workload: object) -> dict:
+    return {
+        "name": "theory",
+        "seed": 1,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {"max_model_len": 8192},
+        "workload": {
+            "kind": "open_loop",
+            "num_requests": 20,
+            "arrival": {"kind": "poisson", "rate_per_s": 0.01},
+            "prompt_tokens": {"kind": "fixed", "value": 512},
+            "output_tokens": {"kind": "fixed", "value": 16},
+            **workload,
+        },
+    }
+
+
+def test_lightly_loaded_engine_ttft_is_the_modelled_prefill_and_nothing_queues() -> None:
+    scenario = parse_scenario(open_loop_scenario(), "theory")
+    result = simulate(scenario)
+    req = result.requests
+    cost = CostModel(scenario.model, scenario.hardware, 1)
+    assert len(req) == 20 and req["finish_s"].notna().all()
+    assert (req["queue_s"] == 0).all()
+    assert req["ttft_s"].to_numpy() == pytest.approx(cost.prefill_time_s(512), rel=1e-12)
+    # Each decode step of a lone request attends over its whole context so far.
+    first_itl = req["token_times_s"].iloc[0][1] - req["token_times_s"].iloc[0][0]
+    assert first_itl == pytest.approx(cost.decode_time_s(1, 512), rel=1e-12)
+    assert result.summary["metrics"]["vllm:num_preemptions"]["total"] == 0
+
+
+def test_workload_that_always_fits_never_preempts() -> None:
+    scenario = load_scenario(
+        DEFAULT_SCENARIO,
+        ["workload.sessions=30", "workload.session_arrival.rate_per_s=0.05"],
+    )
+    result = simulate(scenario)
+    assert result.summary["metrics"]["vllm:kv_cache_usage_perc"]["peak"] < 0.5
+    assert result.summary["metrics"]["vllm:num_preemptions"]["total"] == 0
+    assert result.summary["num_unfinished"] == 0
+
+
+def test_agent_sessions_hit_their_own_growing_context() -> None:
+    scenario = load_scenario(DEFAULT_SCENARIO, ["workload.sessions=20"])
+    result = simulate(scenario)
+    later_turns = result.requests[result.requests["turn"] > 0]
+    # Everything but the new tool result was sent before: most of each prompt is a hit.
+    assert (later_turns["cached_tokens"] / later_turns["prompt_tokens"]).median() > 0.7
+
+
+def test_time_limit_stops_the_run_and_says_so() -> None:
+    scenario = load_scenario(DEFAULT_SCENARIO, ["limits.max_duration_s=60"])
+    result = simulate(scenario)
+    assert result.summary["truncated_at_limit"] is True
+    assert result.summary["duration_s"] == 60
+    assert result.summary["num_unfinished"] > 0
+    assert result.requests["arrival_s"].max() <= 60
+
+
+def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "sim.cli", *args], cwd=cwd, capture_output=True, text=True
+    )
+
+
+def test_same_seed_gives_byte_identical_summary_in_one_process_or_many(tmp_path: Path) -> None:
+    overrides = ["workload.sessions=25"]
+    scenario = load_scenario(DEFAULT_SCENARIO, overrides)
+    paths = []
+    for name in ("a", "b"):
+        r = simulate(scenario)
+        paths.append(write_run(tmp_path / name, r.summary, r.requests, r.steps, r.scenario_yaml))
+    proc = _run_cli(
+        [
+            "run",
+            str(DEFAULT_SCENARIO),
+            "--set",
+            overrides[0],
+            "--out",
+            str(tmp_path / "c"),
+            "--quiet",
+        ],
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    blobs = [(p / "summary.json").read_bytes() for p in (*paths, tmp_path / "c")]
+    assert blobs[0] == blobs[1] == blobs[2]
+    steps = [(tmp_path / n / "steps.parquet").read_bytes() for n in ("a", "b", "c")]
+    assert steps[0] == steps[1] == steps[2]
+
+
+def test_run_directory_schema_roundtrip(tmp_path: Path) -> None:
+    r = simulate(parse_scenario(open_loop_scenario(), "theory"))
+    run = load_run(write_run(tmp_path / "run", r.summary, r.requests, r.steps, r.scenario_yaml))
+    assert run.summary == json.loads(json.dumps(r.summary))
+    for column in ("request_id", "ttft_s", "e2e_s", "cached_tokens", "token_times_s"):
+        assert column in run.requests.columns
+    for column in ("duration_s", "kv_cache_usage_perc", "num_preemptions", "prefix_cache_hits"):
+        assert column in run.steps.columns
+    assert "kind: open_loop" in run.scenario_yaml
+    with pytest.raises(FileExistsError):
+        write_run(tmp_path / "run", r.summary, r.requests, r.steps, r.scenario_yaml)
