@@ -50,7 +50,7 @@ def run(
     """Simulate a scenario; write its run directory and print the summary."""
     from sim.cost_model import load_cost_params
     from sim.report import summary_table
-    from sim.results import new_run_dir, write_run
+    from sim.results import new_run_dir
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, load_scenario
 
@@ -82,7 +82,7 @@ def run(
 
             result = simulate(spec, profile, progress)
         wall_s = time.perf_counter() - started
-        write_run(out_dir, result.summary, result.requests, result.steps, result.scenario_yaml)
+        result.write(out_dir)
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
     console.print(summary_table(result.summary))

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pandas as pd
 
+from sim.block_map import BlockMapRecorder
 from sim.request import Request
 from sim.scheduler.output import SchedulerOutput, StepUpdate
 from sim.workload.base import RequestMeta
@@ -59,8 +60,9 @@ class RequestRecord:
 class Recorder:
     """Collects request and step records during a run."""
 
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, block_map: BlockMapRecorder | None = None) -> None:
         self.block_size = block_size
+        self.block_map = block_map
         self.requests: dict[str, RequestRecord] = {}
         self._order: list[RequestRecord] = []
         self.steps: dict[str, list[float]] = {name: [] for name in STEP_COLUMNS}
@@ -121,6 +123,11 @@ class Recorder:
         steps["kv_unused_slots"].append(unused_slots)
         steps["num_swapped_out_blocks"].append(0)
         steps["num_swapped_in_blocks"].append(0)
+        if self.block_map is not None:
+            self.block_map.maybe_snapshot(output.step, end_s, scheduler, self._class_of)
+
+    def _class_of(self, request_id: str) -> str:
+        return self.requests[request_id].meta.priority_class
 
     # -- tables -------------------------------------------------------------------------------
     def requests_frame(self) -> pd.DataFrame:

@@ -117,7 +117,7 @@ class Request:
 
     def next_output_token_id(self) -> int:
         """The token the (simulated) sampler emits next."""
-        i = self.num_output_tokens
+        i = len(self.token_ids) - self.num_prompt_tokens
         if self._planned_output is not None:
             return self._planned_output[i]
         # No plan: a token that depends on the request and position only (crc32, not hash():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,8 +52,12 @@ def write_run(
     requests: pd.DataFrame,
     steps: pd.DataFrame,
     scenario_yaml: str,
+    extra_writers: Sequence[Callable[[Path], None]] = (),
 ) -> Path:
-    """Write a run directory atomically. Raises FileExistsError if ``out_dir`` exists."""
+    """Write a run directory atomically. Raises FileExistsError if ``out_dir`` exists.
+
+    ``extra_writers`` each write optional files (such as the block map) into the folder.
+    """
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; kvsim never overwrites a run")
@@ -66,6 +71,8 @@ def write_run(
         requests.to_parquet(tmp / REQUESTS, index=False)
         steps.to_parquet(tmp / STEPS, index=False)
         (tmp / SCENARIO).write_text(scenario_yaml)
+        for writer in extra_writers:
+            writer(tmp)
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -12,12 +13,14 @@ import pandas as pd
 import simpy
 
 from sim import __version__
+from sim.block_map import BlockMapRecorder
 from sim.config.sizing import KVSizing, size_kv_cache
 from sim.cost_model import CalibrationProfile, CostModel, CostParams
 from sim.engine import Engine
 from sim.errors import KvsimConfigError
 from sim.metrics import summarize
 from sim.recorder import Recorder
+from sim.results import write_run
 from sim.scenario import Scenario, scenario_to_yaml
 from sim.scheduler.scheduler import Scheduler
 from sim.workload import build_workload
@@ -35,10 +38,22 @@ class SimulationResult:
     summary: dict[str, Any]
     requests: pd.DataFrame
     steps: pd.DataFrame
+    block_map: BlockMapRecorder
 
     @property
     def scenario_yaml(self) -> str:
         return scenario_to_yaml(self.scenario)
+
+    def write(self, out_dir: Path) -> Path:
+        """Write the run directory (with its block map)."""
+        return write_run(
+            out_dir,
+            self.summary,
+            self.requests,
+            self.steps,
+            self.scenario_yaml,
+            extra_writers=[self.block_map.save],
+        )
 
 
 def size_for(scenario: Scenario) -> KVSizing:
@@ -67,7 +82,8 @@ def simulate(
     )
     env = simpy.Environment()
     scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
-    recorder = Recorder(engine_cfg.block_size)
+    block_map = BlockMapRecorder()
+    recorder = Recorder(engine_cfg.block_size, block_map)
     engine = Engine(env, scheduler, cost_model, recorder)
     workload = build_workload(scenario.workload, scenario.seed)
     rng = np.random.default_rng(scenario.seed)
@@ -127,4 +143,4 @@ def simulate(
             slos=scenario.slos.model_dump(),
         ),
     }
-    return SimulationResult(scenario, sizing, summary, requests, steps)
+    return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

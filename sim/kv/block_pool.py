@@ -48,9 +48,13 @@ class BlockPool:
         self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
             (b.block_id, b) for b in self.blocks
         )
-        # hash -> {block_id: block}; vLLM does not de-duplicate identical blocks, and a lookup
-        # returns the earliest-registered one.
-        self.cached_blocks: dict[int, dict[int, KVBlock]] = {}
+        # vLLM does not de-duplicate identical blocks (two requests prefilling the same prefix
+        # at once each cache theirs), and a lookup returns the earliest-registered one. Such
+        # duplicates are rare, so the common case is one flat dict: hash -> first block;
+        # ``duplicate_blocks`` holds {block_id: block} in registration order for hashes with
+        # more than one holder (the first included).
+        self.first_cached_block: dict[int, KVBlock] = {}
+        self.duplicate_blocks: dict[int, dict[int, KVBlock]] = {}
         self.null_block = self.free_queue.popitem(last=False)[1]
         self.num_evicted_blocks = 0
 
@@ -76,10 +80,22 @@ class BlockPool:
 
     def get_cached_block(self, block_hash: int) -> KVBlock | None:
         """The block holding this prefix hash, if any (the earliest registered)."""
-        blocks = self.cached_blocks.get(block_hash)
-        if blocks is None:
-            return None
-        return next(iter(blocks.values()))
+        return self.first_cached_block.get(block_hash)
+
+    @property
+    def cached_blocks(self) -> dict[int, dict[int, KVBlock]]:
+        """hash -> {block_id: block} in registration order (a view for checks and reports)."""
+        return {
+            h: dict(self.duplicate_blocks.get(h) or {b.block_id: b})
+            for h, b in self.first_cached_block.items()
+        }
+
+    def cached_block_ids(self) -> list[int]:
+        """Ids of every block registered in the prefix cache, free or owned."""
+        ids = [b.block_id for b in self.first_cached_block.values()]
+        for holders in self.duplicate_blocks.values():
+            ids.extend(list(holders)[1:])
+        return ids
 
     def free_block_ids(self) -> list[int]:
         """Free queue order, front (allocated next) first."""
@@ -103,10 +119,14 @@ class BlockPool:
         """Forget a block's prefix-cache hash (its content is about to be overwritten)."""
         block_hash = block.block_hash
         assert block_hash is not None
-        holders = self.cached_blocks[block_hash]
-        del holders[block.block_id]
-        if not holders:
-            del self.cached_blocks[block_hash]
+        holders = self.duplicate_blocks.get(block_hash)
+        if holders is None:
+            del self.first_cached_block[block_hash]
+        else:
+            del holders[block.block_id]
+            self.first_cached_block[block_hash] = next(iter(holders.values()))
+            if len(holders) == 1:
+                del self.duplicate_blocks[block_hash]
         block.block_hash = None
         self.num_evicted_blocks += 1
 
@@ -147,14 +167,15 @@ class BlockPool:
         num_full_blocks: int,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
-        cached = self.cached_blocks
+        first = self.first_cached_block
         for i in range(num_cached_blocks, num_full_blocks):
             block = blocks[i]
             block_hash = block_hashes[i]
             assert block.block_hash is None, block
             block.block_hash = block_hash
-            holders = cached.get(block_hash)
-            if holders is None:
-                cached[block_hash] = {block.block_id: block}
+            holder = first.get(block_hash)
+            if holder is None:
+                first[block_hash] = block
             else:
+                holders = self.duplicate_blocks.setdefault(block_hash, {holder.block_id: holder})
                 holders[block.block_id] = block

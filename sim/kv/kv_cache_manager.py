@@ -54,29 +54,18 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        get_cached_block = self.block_pool.get_cached_block
+        max_blocks = (len(request.token_ids) - 1) // self.block_size
+        get = self.block_pool.first_cached_block.get
         hits: list[KVBlock] = []
+        append = hits.append
         for block_hash in request.block_hashes[:max_blocks]:
-            block = get_cached_block(block_hash)
+            block = get(block_hash)
             if block is None:
                 break
-            hits.append(block)
+            append(block)
         return hits, len(hits) * self.block_size
 
     # -- allocation ---------------------------------------------------------------------------
-    def _num_blocks_to_allocate(
-        self, request_id: str, num_tokens: int, new_computed_blocks: Sequence[KVBlock]
-    ) -> int:
-        num_required = cdiv(num_tokens, self.block_size)
-        held = self.req_to_blocks.get(request_id)
-        if held is not None:
-            return max(num_required - len(held), 0)
-        # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
-        # free block just like a fresh allocation.
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(num_required - len(new_computed_blocks), 0) + num_evictable
-
     def allocate_slots(
         self,
         request: Request,
@@ -93,44 +82,92 @@ class KVCacheManager:
         whole current sequence must fit (vLLM's ``scheduler_reserve_full_isl``, on by
         default), so chunked prefill cannot admit a prompt it could never finish. The
         watermark applies only to waiting/preempted requests when something is already
-        scheduled.
+        scheduled. Full blocks are cached now, at scheduling time, so a request admitted
+        later in this very step can already hit them (as in vLLM).
         """
+        blocks = self.req_to_blocks.get(request.request_id)
+        if blocks is not None:
+            # A running request growing: the hot path of every decode step.
+            assert not num_new_computed_tokens and not full_sequence_must_fit
+            return self._grow(
+                request, blocks, num_new_tokens + num_lookahead_tokens, num_new_tokens
+            )
+        return self._admit(
+            request,
+            num_new_tokens,
+            num_new_computed_tokens,
+            new_computed_blocks,
+            num_lookahead_tokens,
+            full_sequence_must_fit,
+            has_scheduled_reqs,
+        )
+
+    def _grow(
+        self, request: Request, blocks: list[KVBlock], num_slot_tokens: int, num_new_tokens: int
+    ) -> list[KVBlock] | None:
+        num_computed = request.num_computed_tokens
+        num_tokens_need_slot = num_computed + num_slot_tokens
+        if num_tokens_need_slot > self.max_model_len:
+            num_tokens_need_slot = self.max_model_len
+        num_new_blocks = -(-num_tokens_need_slot // self.block_size) - len(blocks)
+        new_blocks: list[KVBlock] = []
+        if num_new_blocks > 0:
+            pool = self.block_pool
+            if num_new_blocks > len(pool.free_queue):
+                return None
+            new_blocks = pool.get_new_blocks(num_new_blocks)
+            blocks.extend(new_blocks)
+        if self.enable_caching:
+            num_tokens_to_cache = num_computed + num_new_tokens
+            num_tokens = len(request.token_ids)
+            if num_tokens_to_cache > num_tokens:
+                num_tokens_to_cache = num_tokens
+            if num_tokens_to_cache // self.block_size > self.num_cached_block[request.request_id]:
+                self.cache_blocks(request, num_tokens_to_cache)
+        return new_blocks
+
+    def _admit(
+        self,
+        request: Request,
+        num_new_tokens: int,
+        num_new_computed_tokens: int,
+        new_computed_blocks: Sequence[KVBlock],
+        num_lookahead_tokens: int,
+        full_sequence_must_fit: bool,
+        has_scheduled_reqs: bool,
+    ) -> list[KVBlock] | None:
         assert num_new_tokens > 0 or num_new_computed_tokens > 0
         pool = self.block_pool
-        request_id = request.request_id
         num_computed = request.num_computed_tokens + num_new_computed_tokens
         total_computed = min(num_computed, self.max_model_len)
         watermark_blocks = 0
         if has_scheduled_reqs and request.status is not RequestStatus.RUNNING:
             watermark_blocks = self.watermark_blocks
         num_free = pool.num_free_blocks
+        # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
+        # free block just like a fresh allocation.
+        num_hit = len(new_computed_blocks)
+        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
-            needed = self._num_blocks_to_allocate(request_id, full_num_tokens, new_computed_blocks)
+            needed = max(cdiv(full_num_tokens, self.block_size) - num_hit, 0) + num_evictable
             if needed + watermark_blocks > num_free:
                 return None
 
         num_tokens_need_slot = min(
             total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
-        needed = self._num_blocks_to_allocate(request_id, num_tokens_need_slot, new_computed_blocks)
-        if needed + watermark_blocks > num_free:
+        num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - num_hit, 0)
+        if num_new_blocks + num_evictable + watermark_blocks > num_free:
             return None
 
-        blocks = self.req_to_blocks.get(request_id)
-        if blocks is None:
-            # First allocation since admission: adopt the prefix hit.
-            if self.enable_caching:
-                pool.touch(new_computed_blocks)
-            blocks = self.req_to_blocks[request_id] = list(new_computed_blocks)
-            self.num_cached_block[request_id] = len(blocks)
-        num_new_blocks = cdiv(num_tokens_need_slot, self.block_size) - len(blocks)
+        if self.enable_caching:
+            pool.touch(new_computed_blocks)
+        blocks = self.req_to_blocks[request.request_id] = list(new_computed_blocks)
+        self.num_cached_block[request.request_id] = num_hit
         new_blocks = pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else []
         blocks.extend(new_blocks)
-
-        # Cache full blocks now, at scheduling time, so a request admitted later in this very
-        # step can already hit them (vLLM does the same).
         if self.enable_caching:
             num_tokens_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
             self.cache_blocks(request, num_tokens_to_cache)

@@ -92,20 +92,24 @@ class Scheduler:
             threshold = 0
 
         # 1. RUNNING requests.
+        allocate_slots = kv.allocate_slots
+        max_model_len = self.max_model_len
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_new = request.num_tokens - request.num_computed_tokens
+            num_computed = request.num_computed_tokens
+            num_new = len(request.token_ids) - num_computed
             if 0 < threshold < num_new:
                 num_new = threshold
-            num_new = min(
-                num_new, token_budget, self.max_model_len - request.num_computed_tokens - 1
-            )
+            if num_new > token_budget:
+                num_new = token_budget
+            if num_new > max_model_len - num_computed - 1:
+                num_new = max_model_len - num_computed - 1
             if num_new <= 0:
                 req_index += 1
                 continue
             while True:
-                new_blocks = kv.allocate_slots(request, num_new)
+                new_blocks = allocate_slots(request, num_new)
                 if new_blocks is not None:
                     break
                 victim_index = self.policy.victim_index(running)
@@ -164,19 +168,24 @@ class Scheduler:
                 token_budget -= num_new
 
         # 3. Advance computed tokens; summarise the batch for the cost model.
-        shape = BatchShape()
+        num_decode = decode_context = num_prefill_reqs = num_prefill_tokens = 0
+        prefill_pairs = 0.0
         requests = self.requests
         for request_id, n in num_scheduled.items():
             request = requests[request_id]
             context = request.num_computed_tokens
-            if n == 1 and context == request.num_tokens - 1 and request.num_output_tokens:
-                shape.num_decode_reqs += 1
-                shape.decode_context_tokens += context
+            num_tokens = len(request.token_ids)
+            if n == 1 and context == num_tokens - 1 and num_tokens > request.num_prompt_tokens:
+                num_decode += 1
+                decode_context += context
             else:
-                shape.num_prefill_reqs += 1
-                shape.num_prefill_tokens += n
-                shape.prefill_attention_pairs += n * (context + n / 2)
+                num_prefill_reqs += 1
+                num_prefill_tokens += n
+                prefill_pairs += n * (context + n / 2)
             request.num_computed_tokens = context + n
+        shape = BatchShape(
+            num_prefill_tokens, num_prefill_reqs, prefill_pairs, num_decode, decode_context
+        )
 
         self.num_steps += 1
         pool = kv.block_pool
@@ -206,12 +215,14 @@ class Scheduler:
             request = requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # preempted later in the same step (priority policy)
-            if request.num_computed_tokens < request.num_tokens:
+            num_tokens = len(request.token_ids)
+            if request.num_computed_tokens < num_tokens:
                 continue  # a prefill chunk that did not reach the end samples nothing
             request.append_output_token_id(request.next_output_token_id())
             sampled.append(request)
-            if request.num_output_tokens >= request.max_tokens or (
-                request.num_tokens >= max_model_len
+            num_tokens += 1
+            if num_tokens - request.num_prompt_tokens >= request.max_tokens or (
+                num_tokens >= max_model_len
             ):
                 request.mark_finished()
                 self.kv_cache_manager.free(request)

@@ -84,6 +84,7 @@ def test_run_prints_summary_and_writes_run_dir(tmp_path: Path) -> None:
     assert code == 0, output
     assert "TTFT" in output and "SLO ttft_p99_s" in output and "run written to" in output
     assert sorted(p.name for p in out.iterdir()) == [
+        "block_map.npz",
         "requests.parquet",
         "scenario.yaml",
         "steps.parquet",

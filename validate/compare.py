@@ -1,0 +1,78 @@
+"""Compare two runs metric by metric: the error table of ``kvsim validate`` and ``compare``.
+
+Pure functions over ``summary.json`` contents, so simulated runs, measured runs and runs
+imported from ``vllm bench serve`` compare alike.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+
+# (label, path into summary["metrics"], unit)
+COMPARED_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("TTFT p50", (TTFT, "p50"), "s"),
+    ("TTFT p90", (TTFT, "p90"), "s"),
+    ("TTFT p99", (TTFT, "p99"), "s"),
+    ("ITL p50", (ITL, "p50"), "s"),
+    ("ITL p99", (ITL, "p99"), "s"),
+    ("E2E p50", (E2E, "p50"), "s"),
+    ("E2E p99", (E2E, "p99"), "s"),
+    ("queue time p50", (QUEUE, "p50"), "s"),
+    ("output throughput", ("output_throughput_tok_s",), "tok/s"),
+    ("preemptions", (PREEMPTIONS, "total"), ""),
+    ("prefix-cache hit rate", ("prefix_cache_hit_rate",), ""),
+    ("KV usage mean", (KV_USAGE, "mean"), ""),
+    ("KV usage peak", (KV_USAGE, "peak"), ""),
+)
+
+
+@dataclass(frozen=True)
+class ComparisonRow:
+    metric: str
+    unit: str
+    value: float | None  # the run under test (e.g. the simulation)
+    reference: float | None  # the reference run (e.g. the measurement)
+
+    @property
+    def relative_error(self) -> float | None:
+        """(value - reference) / reference; None when either is missing or reference is 0."""
+        if self.value is None or self.reference is None:
+            return None
+        if self.reference == 0:
+            return 0.0 if self.value == 0 else math.inf
+        return (self.value - self.reference) / abs(self.reference)
+
+
+def metric_value(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    node: Any = summary.get("metrics", {})
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return None if node is None else float(node)
+
+
+def compare_summaries(value: dict[str, Any], reference: dict[str, Any]) -> list[ComparisonRow]:
+    """One row per compared metric: value, reference and relative error."""
+    return [
+        ComparisonRow(label, unit, metric_value(value, path), metric_value(reference, path))
+        for label, path, unit in COMPARED_METRICS
+    ]
+
+
+def rows_to_records(rows: list[ComparisonRow]) -> list[dict[str, Any]]:
+    """JSON-ready rows (for report.json and the dashboard)."""
+    return [
+        {
+            "metric": r.metric,
+            "unit": r.unit,
+            "value": r.value,
+            "reference": r.reference,
+            "relative_error": r.relative_error,
+        }
+        for r in rows
+    ]
