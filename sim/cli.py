@@ -108,6 +108,19 @@ def scenarios() -> None:
             console.print(f"[red]{path.name}[/red]: {exc}", highlight=False)
 
 
+def _register_validation_commands() -> None:
+    # validate/ imports vLLM lazily, inside the commands: registering them costs nothing.
+    from validate import commands
+
+    app.command("validate")(commands.validate_cmd)
+    app.command("replay")(commands.replay_cmd)
+    app.command("calibrate")(commands.calibrate_cmd)
+    app.command("compare")(commands.compare_cmd)
+
+
+_register_validation_commands()
+
+
 def main() -> None:  # pragma: no cover - console entry point
     app()
 

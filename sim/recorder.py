@@ -72,6 +72,26 @@ class Recorder:
         self.requests[request.request_id] = record
         self._order.append(record)
 
+    def on_admitted(self, request_id: str, num_hit_tokens: int, start_s: float) -> None:
+        """First admission of a request: when, and how many prompt tokens hit the cache."""
+        record = self.requests[request_id]
+        if record.cached_tokens < 0:
+            record.first_scheduled_s = start_s
+            record.cached_tokens = num_hit_tokens
+
+    def on_finished(self, request: Request, now_s: float) -> None:
+        record = self.requests[request.request_id]
+        record.finish_s = now_s
+        record.output_tokens = request.num_output_tokens
+        record.num_preemptions = request.num_preemptions
+        record.request = None
+
+    def add_step(self, **values: float) -> None:
+        """Append one row to the step table (every column of STEP_COLUMNS, by name)."""
+        steps = self.steps
+        for name in STEP_COLUMNS:
+            steps[name].append(values[name])
+
     def on_step(
         self,
         output: SchedulerOutput,
@@ -80,49 +100,43 @@ class Recorder:
         end_s: float,
         scheduler: Scheduler,
     ) -> None:
+        """Record one simulated step (the engine's hot loop)."""
         records = self.requests
         for request_id, num_hit in zip(
             output.admitted_ids, output.admitted_hit_tokens, strict=True
         ):
-            record = records[request_id]
-            if record.cached_tokens < 0:
-                record.first_scheduled_s = start_s
-                record.cached_tokens = num_hit
+            self.on_admitted(request_id, num_hit, start_s)
         for request in update.sampled:
             records[request.request_id].token_times_s.append(end_s)
         for request in update.finished:
-            record = records[request.request_id]
-            record.finish_s = end_s
-            record.output_tokens = request.num_output_tokens
-            record.num_preemptions = request.num_preemptions
-            record.request = None
+            self.on_finished(request, end_s)
         # Slots in blocks held by running requests that hold no token yet: the partial tail
         # block of each request (internal fragmentation) plus slots allocated ahead.
         tables = scheduler.kv_cache_manager.req_to_blocks
         running = scheduler.running
         held_slots = sum(len(tables[r.request_id]) for r in running) * self.block_size
-        unused_slots = held_slots - sum(r.num_computed_tokens for r in running)
         shape = output.shape
-        steps = self.steps
-        steps["step"].append(output.step)
-        steps["start_s"].append(start_s)
-        steps["duration_s"].append(end_s - start_s)
-        steps["num_prefill_tokens"].append(shape.num_prefill_tokens)
-        steps["num_decode_tokens"].append(shape.num_decode_reqs)
-        steps["num_prefill_reqs"].append(shape.num_prefill_reqs)
-        steps["decode_context_tokens"].append(shape.decode_context_tokens)
-        steps["prefill_attention_pairs"].append(shape.prefill_attention_pairs)
-        steps["num_requests_running"].append(output.num_running)
-        steps["num_requests_waiting"].append(output.num_waiting)
-        steps["kv_cache_usage_perc"].append(output.kv_usage)
-        steps["num_free_blocks"].append(output.num_free_blocks)
-        steps["num_preemptions"].append(len(output.preempted_ids))
-        steps["prefix_cache_queries"].append(output.num_prefix_query_tokens)
-        steps["prefix_cache_hits"].append(output.num_prefix_hit_tokens)
-        steps["resumed_prefix_cache_hits"].append(output.num_resumed_prefix_hit_tokens)
-        steps["kv_unused_slots"].append(unused_slots)
-        steps["num_swapped_out_blocks"].append(0)
-        steps["num_swapped_in_blocks"].append(0)
+        self.add_step(
+            step=output.step,
+            start_s=start_s,
+            duration_s=end_s - start_s,
+            num_prefill_tokens=shape.num_prefill_tokens,
+            num_decode_tokens=shape.num_decode_reqs,
+            num_prefill_reqs=shape.num_prefill_reqs,
+            decode_context_tokens=shape.decode_context_tokens,
+            prefill_attention_pairs=shape.prefill_attention_pairs,
+            num_requests_running=output.num_running,
+            num_requests_waiting=output.num_waiting,
+            kv_cache_usage_perc=output.kv_usage,
+            num_free_blocks=output.num_free_blocks,
+            num_preemptions=len(output.preempted_ids),
+            prefix_cache_queries=output.num_prefix_query_tokens,
+            prefix_cache_hits=output.num_prefix_hit_tokens,
+            resumed_prefix_cache_hits=output.num_resumed_prefix_hit_tokens,
+            kv_unused_slots=held_slots - sum(r.num_computed_tokens for r in running),
+            num_swapped_out_blocks=0,
+            num_swapped_in_blocks=0,
+        )
         if self.block_map is not None:
             self.block_map.maybe_snapshot(output.step, end_s, scheduler, self._class_of)
 

@@ -44,6 +44,9 @@ class ModelGeometry(BaseModel):
     tie_word_embeddings: bool = Field(
         False, description="lm_head shares the embedding matrix (no separate lm_head weights)."
     )
+    source_path: str | None = Field(
+        None, description="The config.json this geometry was read from (None for presets)."
+    )
 
     @model_validator(mode="after")
     def _check_geometry(self) -> ModelGeometry:
@@ -262,6 +265,7 @@ def load_model_config_json(path: str | Path, name: str | None = None) -> ModelGe
         dtype=dtype,
         num_params=num_params,
         num_active_params=raw.get("num_active_params"),
+        source_path=str(path.resolve()),
         **geometry,
     )
 

@@ -215,10 +215,11 @@ class AgentSessionsWorkload(BaseModel):
                 )
                 done.append(sink.submit(request, meta))
             yield env.all_of(done)
-            # The planned outputs are what the engine emitted (Request.next_output_token_id);
-            # sub-call outputs come back in call order, like the results of a parallel call.
-            for out in outputs:
-                context.append(out)
+            # The context grows by what the engine really emitted: the planned tokens in the
+            # simulator, the model's own tokens when replayed on real vLLM. Sub-call outputs
+            # come back in call order, like the results of a parallel call.
+            for event in done:
+                context.append(event.value.output_token_ids)
             if turn + 1 < num_turns:
                 yield env.timeout(float(self.tool_latency.sample(rng, 1)[0]))
 

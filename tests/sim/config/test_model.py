@@ -130,7 +130,8 @@ def write_config(tmp_path, config, folder="model"):
 def test_load_llama_config_json_matches_preset(tmp_path):
     path = write_config(tmp_path, LLAMA_3_1_8B_CONFIG, folder="Llama-3.1-8B")
     model = load_model_config_json(path)
-    assert model == MODEL_PRESETS["Llama-3.1-8B"]
+    assert model.source_path == str(path.resolve())
+    assert model.model_copy(update={"source_path": None}) == MODEL_PRESETS["Llama-3.1-8B"]
 
 
 def test_load_qwen_config_json_counts_qkv_biases(tmp_path):

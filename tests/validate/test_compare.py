@@ -1,0 +1,91 @@
+"""The comparison table, and runs imported from `vllm bench serve --save-detailed`."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli import app
+from sim.runner import simulate
+from sim.scenario import DEFAULT_SCENARIO, load_scenario
+from validate.compare import ComparisonRow, compare_summaries
+from validate.vllm_bench import load_vllm_bench
+
+
+def test_relative_error_against_the_reference() -> None:
+    assert ComparisonRow("x", "s", 1.1, 1.0).relative_error == pytest.approx(0.1)
+    assert ComparisonRow("x", "s", 0.9, 1.0).relative_error == pytest.approx(-0.1)
+    assert ComparisonRow("x", "", 0.0, 0.0).relative_error == 0.0
+    assert ComparisonRow("x", "", 3.0, 0.0).relative_error == math.inf
+    assert ComparisonRow("x", "", None, 1.0).relative_error is None
+
+
+def test_a_run_compared_with_itself_has_zero_error() -> None:
+    result = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=8"]))
+    rows = compare_summaries(result.summary, result.summary)
+    assert {r.metric for r in rows} >= {
+        "TTFT p50",
+        "ITL p50",
+        "E2E p50",
+        "output throughput",
+        "preemptions",
+        "prefix-cache hit rate",
+        "KV usage peak",
+    }
+    assert all(r.relative_error in (0.0, None) for r in rows)
+
+
+def write_bench(path: Path) -> Path:
+    path.write_text(
+        json.dumps(
+            {
+                "duration": 10.0,
+                "model_id": "tiny",
+                "start_times": [100.0, 101.0, 102.5],
+                "ttfts": [0.1, 0.2, 0.0],
+                "itls": [[0.01, 0.02], [0.03], []],
+                "latencies": [0.13, 0.23, 0.0],
+                "input_lens": [10, 20, 30],
+                "output_lens": [3, 2, 0],
+                "errors": ["", "", "timeout"],
+            }
+        )
+    )
+    return path
+
+
+def test_vllm_bench_import_rebuilds_token_times(tmp_path: Path) -> None:
+    run = load_vllm_bench(write_bench(tmp_path / "bench.json"))
+    req = run.requests
+    assert req["arrival_s"].tolist() == [0.0, 1.0, 2.5]
+    assert req["token_times_s"].iloc[0] == pytest.approx([0.1, 0.11, 0.13])
+    assert math.isnan(req["finish_s"].iloc[2])  # the failed request is not finished
+    m = run.summary["metrics"]
+    assert m["vllm:time_to_first_token_seconds"]["p50"] == pytest.approx(0.15)
+    assert m["vllm:num_preemptions"] is None  # the client cannot see it
+    assert run.summary["num_unfinished"] == 1
+
+
+def test_vllm_bench_import_names_the_missing_field(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    path.write_text(json.dumps({"duration": 1.0, "ttfts": []}))
+    with pytest.raises(ValueError, match=r"start_times.*save-detailed"):
+        load_vllm_bench(path)
+
+
+def test_compare_command_prints_the_table(tmp_path: Path) -> None:
+    result = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=8"]))
+    run_dir = result.write(tmp_path / "sim")
+    out = tmp_path / "table.json"
+    cli = CliRunner().invoke(
+        app, ["compare", str(run_dir), str(write_bench(tmp_path / "b.json")), "--out", str(out)]
+    )
+    assert cli.exit_code == 0, cli.output
+    assert "TTFT p50" in cli.output and "rel. error" in cli.output
+    assert json.loads(out.read_text())[0]["metric"] == "TTFT p50"
+    bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nope"), str(run_dir)])
+    assert bad.exit_code == 2 and "not a run directory" in bad.output

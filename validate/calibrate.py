@@ -1,0 +1,117 @@
+"""``kvsim calibrate``: fit the cost model's parameters to steps measured on real vLLM."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from sim.config.hardware import Hardware
+from sim.config.model import ModelGeometry
+from sim.cost_model import CalibrationProfile, CostModel, CostParams, fit_cost_params
+from sim.errors import KvsimConfigError
+from sim.results import RunData, load_run
+from sim.scenario import parse_scenario
+from sim.scheduler.output import BatchShape
+
+# A step slower than this many times its fitted prediction is a stall, not a batch cost.
+OUTLIER_FACTOR = 2.0
+
+
+def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float]]:
+    """The batch composition and measured duration of every step of a run."""
+    s = run.steps
+    shapes = [
+        BatchShape(
+            num_prefill_tokens=int(p),
+            num_prefill_reqs=int(pr),
+            prefill_attention_pairs=float(pairs),
+            num_decode_reqs=int(d),
+            decode_context_tokens=int(ctx),
+        )
+        for p, pr, pairs, d, ctx in zip(
+            s["num_prefill_tokens"],
+            s["num_prefill_reqs"],
+            s["prefill_attention_pairs"],
+            s["num_decode_tokens"],
+            s["decode_context_tokens"],
+            strict=True,
+        )
+    ]
+    return shapes, [float(d) for d in s["duration_s"]]
+
+
+def robust_fit(
+    shapes: list[BatchShape],
+    durations_s: list[float],
+    model: ModelGeometry,
+    hardware: Hardware,
+    tensor_parallel_size: int,
+    max_rounds: int = 4,
+) -> tuple[CostParams, dict[str, float]]:
+    """Least squares that ignores stalls: steps that took over ``OUTLIER_FACTOR`` times the
+    fitted prediction are dropped and the fit repeated.
+
+    A shared CPU (or a GPU box running other work) now and then stalls a step for hundreds of
+    milliseconds; those are not a property of the batch, and a squared loss would let a few of
+    them drag every coefficient. The share of steps dropped is reported as ``outlier_frac``.
+    """
+    keep = np.ones(len(shapes), dtype=bool)
+    for _ in range(max_rounds):
+        kept_shapes = [s for s, k in zip(shapes, keep, strict=True) if k]
+        kept_durations = [d for d, k in zip(durations_s, keep, strict=True) if k]
+        params, fit = fit_cost_params(
+            kept_shapes, kept_durations, model, hardware, tensor_parallel_size
+        )
+        cost = CostModel(model, hardware, tensor_parallel_size, params)
+        predicted = np.array([cost.step_time_s(s) for s in shapes])
+        new_keep = np.asarray(durations_s) <= OUTLIER_FACTOR * predicted
+        if (new_keep == keep).all():
+            break
+        keep = new_keep
+    fit = {**fit, "outlier_frac": float(1.0 - keep.mean()) if len(keep) else 0.0}
+    return params, fit
+
+
+def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> CalibrationProfile:
+    """Fit one profile to the measured steps of ``run_dirs`` (same model, device, TP)."""
+    if not run_dirs:
+        raise KvsimConfigError("kvsim calibrate needs at least one measured run directory")
+    runs = [load_run(p) for p in run_dirs]
+    for run in runs:
+        if run.summary.get("source") != "vllm":
+            raise KvsimConfigError(
+                f"{run.path}: source={run.summary.get('source')!r}; calibrate on measured runs "
+                "(written by kvsim validate or kvsim replay), not simulated ones"
+            )
+    scenarios = [parse_scenario(yaml.safe_load(r.scenario_yaml), str(r.path)) for r in runs]
+    models = {s.model.name for s in scenarios}
+    devices = {r.summary.get("device") for r in runs}
+    tps = {s.engine.tensor_parallel_size for s in scenarios}
+    if len(models) > 1 or len(devices) > 1 or len(tps) > 1:
+        raise KvsimConfigError(
+            f"runs mix models {sorted(models)}, devices {sorted(map(str, devices))} or "
+            f"tensor_parallel_size {sorted(tps)}; a profile describes one of each"
+        )
+    shapes: list[BatchShape] = []
+    durations: list[float] = []
+    for run in runs:
+        s, d = step_shapes(run)
+        shapes += s
+        durations += d
+    base = scenarios[0]
+    params, fit = robust_fit(
+        shapes, durations, base.model, base.hardware, base.engine.tensor_parallel_size
+    )
+    return CalibrationProfile(
+        params=params,
+        hardware=str(runs[0].summary.get("device")),
+        model=base.model.name,
+        vllm_version=str(runs[0].summary.get("vllm_version")),
+        tensor_parallel_size=base.engine.tensor_parallel_size,
+        fit=fit,
+        num_steps=int(fit.get("num_steps", len(shapes))),
+        created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
+    )

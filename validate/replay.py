@@ -1,0 +1,222 @@
+"""Replay a scenario on real vLLM, in wall-clock time, and record it in kvsim's schema.
+
+The scenario's own workload processes run unchanged on a SimPy ``RealtimeEnvironment``:
+arrivals and tool waits happen in real seconds, an agent's next turn is sent when its
+previous output is done plus the tool latency, and its prompt holds the real token ids the
+model produced, so vLLM's prefix cache sees real sharing. The engine is vLLM's in-process
+``LLMEngine``; a :class:`~validate.recording_scheduler.RecordingScheduler` reports each
+step's batch. Output lengths are pinned (``min_tokens = max_tokens``, ``ignore_eos``).
+
+If the engine fails mid-run, what was recorded so far is kept and the summary says
+``complete: false`` with the error.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import simpy
+import simpy.rt
+
+from sim.recorder import Recorder
+from sim.request import Request
+from sim.scenario import Scenario
+from sim.workload import build_workload
+from sim.workload.base import RequestMeta
+from validate.engine_args import engine_kwargs
+from validate.recording_scheduler import RecordingScheduler, StepBatch
+
+
+@dataclass
+class ReplayResult:
+    recorder: Recorder
+    error: str | None
+    duration_s: float
+    vllm_version: str
+    device: str
+    model: str
+    num_gpu_blocks: int
+
+
+class VllmSink:
+    """The real engine as a workload's ``RequestSink``, plus the step loop that drives it."""
+
+    def __init__(self, env: simpy.Environment, engine: Any, scenario: Scenario, recorder: Recorder):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        self._env = env
+        self.engine = engine
+        self.scenario = scenario
+        self.recorder = recorder
+        self._sampling_params = SamplingParams
+        self._delta = RequestOutputKind.DELTA
+        self._live: dict[str, tuple[Request, simpy.Event]] = {}
+        self._external_id: dict[str, str] = {}
+        self._wakeup: simpy.Event | None = None
+        self.error: str | None = None
+        self.monotonic_offset_s = 0.0  # env time = monotonic + offset
+        self.process = env.process(self._run())
+
+    @property
+    def env(self) -> simpy.Environment:
+        return self._env
+
+    @property
+    def block_size(self) -> int:
+        return self.scenario.engine.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scenario.engine.max_model_len
+
+    def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
+        from vllm.inputs import TokensPrompt
+
+        request.arrival_time_s = self._env.now
+        n = request.max_tokens
+        params = self._sampling_params(
+            max_tokens=n, min_tokens=n, ignore_eos=True, detokenize=False, output_kind=self._delta
+        )
+        # vLLM suffixes request ids internally; its scheduler reports the internal ones.
+        internal_id = self.engine.add_request(
+            request.request_id,
+            TokensPrompt(prompt_token_ids=list(request.token_ids)),
+            params,
+            priority=request.priority,
+        )
+        self._external_id[internal_id] = request.request_id
+        self.recorder.on_arrival(request, meta, self._env.now)
+        done = self._env.event()
+        self._live[request.request_id] = (request, done)
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
+        return done
+
+    def _run(self) -> Generator[simpy.Event, Any, None]:
+        env = self._env
+        engine = self.engine
+        records: list[StepBatch] = RecordingScheduler.records
+        while True:
+            if not engine.has_unfinished_requests():
+                self._wakeup = env.event()
+                yield self._wakeup
+                self._wakeup = None
+                continue
+            start_s = env.now
+            self.monotonic_offset_s = start_s - time.monotonic()
+            started = time.perf_counter()
+            del records[:]
+            try:
+                outputs = engine.step()
+            except Exception as exc:  # the real engine failed: stop, keep what we have
+                self.error = f"vLLM engine step failed: {type(exc).__name__}: {exc}"
+                return
+            duration_s = time.perf_counter() - started
+            yield env.timeout(duration_s)
+            end_s = env.now
+            for batch in records:
+                self._record_step(batch, start_s, end_s)
+            for out in outputs:
+                self._deliver(out, end_s)
+
+    def _deliver(self, out: Any, now_s: float) -> None:
+        request, done = self._live[self._external_id.get(out.request_id, out.request_id)]
+        completion = out.outputs[0]
+        record = self.recorder.requests[request.request_id]
+        for token_id in completion.token_ids:
+            request.token_ids.append(token_id)
+            record.token_times_s.append(now_s)
+        if out.finished:
+            metrics = getattr(out, "metrics", None)
+            request.num_preemptions = getattr(metrics, "num_preemptions", 0) or 0
+            self.recorder.on_finished(request, now_s)
+            del self._live[request.request_id]
+            done.succeed(request)
+
+    def _record_step(self, batch: StepBatch, start_s: float, end_s: float) -> None:
+        recorder = self.recorder
+        for request_id, num_hit in batch.admitted:
+            recorder.on_admitted(self._external_id.get(request_id, request_id), num_hit, start_s)
+        recorder.add_step(
+            step=len(recorder.steps["step"]) + 1,
+            start_s=start_s,
+            duration_s=end_s - start_s,
+            num_prefill_tokens=batch.num_prefill_tokens,
+            num_decode_tokens=batch.num_decode_reqs,
+            num_prefill_reqs=batch.num_prefill_reqs,
+            decode_context_tokens=batch.decode_context_tokens,
+            prefill_attention_pairs=batch.prefill_attention_pairs,
+            num_requests_running=batch.num_running,
+            num_requests_waiting=batch.num_waiting,
+            kv_cache_usage_perc=batch.kv_cache_usage,
+            num_free_blocks=batch.num_free_blocks,
+            num_preemptions=batch.num_preemptions,
+            prefix_cache_queries=batch.prefix_cache_queries,
+            prefix_cache_hits=batch.prefix_cache_hits,
+            resumed_prefix_cache_hits=batch.resumed_prefix_cache_hits,
+            kv_unused_slots=batch.kv_unused_slots,
+            num_swapped_out_blocks=0,
+            num_swapped_in_blocks=0,
+        )
+
+
+def build_engine(scenario: Scenario, device: str, model: str) -> Any:
+    """vLLM's in-process engine for the scenario (the caller handles failures)."""
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    kwargs, env_vars = engine_kwargs(scenario, device, model)
+    os.environ.update(env_vars)
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def warm_up(engine: Any, scenario: Scenario) -> None:
+    """Run prefill chunks of every size class and decodes once, then forget the cache.
+
+    The first pass over a new batch shape compiles kernels (hundreds of ms on CPU): without
+    this the replay's first requests would measure compilation, not serving.
+    """
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    budget = scenario.engine.max_num_batched_tokens
+    max_len = min(scenario.engine.max_model_len - 8, budget)
+    sizes = sorted({max(1, max_len >> k) for k in range(0, 8)})
+    for i, size in enumerate(sizes):
+        params = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, detokenize=False)
+        prompt = [(17 * i + j) % 1000 + 10 for j in range(size)]
+        engine.add_request(f"warmup-{i}", TokensPrompt(prompt_token_ids=prompt), params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.reset_prefix_cache()
+
+
+def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayResult:
+    """Run the scenario's workload against ``engine`` in real time; never raises on engine
+    failure (the result carries the error)."""
+    import vllm
+
+    recorder = Recorder(scenario.engine.block_size)
+    RecordingScheduler.records = []
+    env = simpy.rt.RealtimeEnvironment(factor=1.0, strict=False)
+    sink = VllmSink(env, engine, scenario, recorder)
+    workload = build_workload(scenario.workload, scenario.seed)
+    import numpy as np
+
+    workload.start(sink, np.random.default_rng(scenario.seed))
+    limit_s = scenario.limits.max_duration_s
+    while sink.error is None:
+        next_event_s = env.peek()
+        if next_event_s == float("inf") or next_event_s > limit_s:
+            break
+        env.step()
+    steps = recorder.steps
+    end_s = steps["start_s"][-1] + steps["duration_s"][-1] if steps["step"] else 0.0
+    num_blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
+    return ReplayResult(recorder, sink.error, end_s, vllm.__version__, device, model, num_blocks)

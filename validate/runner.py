@@ -1,0 +1,123 @@
+"""``kvsim validate``: replay on real vLLM, simulate the same scenario, report the error."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.cost_model import CalibrationProfile
+from sim.metrics import summarize
+from sim.results import RunData, load_run, write_run
+from sim.runner import simulate
+from sim.scenario import Scenario, scenario_to_yaml
+from validate.compare import ComparisonRow, compare_summaries, rows_to_records
+from validate.engine_args import resolve_model_dir
+from validate.replay import ReplayResult, build_engine, replay, warm_up
+
+
+class EngineFailure(RuntimeError):
+    """vLLM could not start or run the scenario; the message says why."""
+
+
+def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]:
+    """summary.json of a measured run (same layout as the simulator's)."""
+    requests = result.recorder.requests_frame()
+    steps = result.recorder.steps_frame()
+    num_finished = int(requests["finish_s"].notna().sum())
+    return {
+        "source": "vllm",
+        "vllm_version": result.vllm_version,
+        "device": result.device,
+        "served_model": result.model,
+        "scenario": scenario.name,
+        "seed": scenario.seed,
+        "model": scenario.model.name,
+        "hardware": result.device,
+        "complete": result.error is None,
+        "error": result.error,
+        "truncated_at_limit": False,
+        "duration_s": result.duration_s,
+        "num_requests": len(requests),
+        "num_finished": num_finished,
+        "num_unfinished": len(requests) - num_finished,
+        "kv_cache": {
+            "block_size": scenario.engine.block_size,
+            "num_gpu_blocks": result.num_gpu_blocks,
+        },
+        **summarize(
+            requests,
+            steps,
+            duration_s=result.duration_s,
+            num_usable_blocks=max(result.num_gpu_blocks - 1, 1),
+            block_size=scenario.engine.block_size,
+            slos=scenario.slos.model_dump(),
+        ),
+    }
+
+
+def run_real(scenario: Scenario, device: str, model: str | None, out_dir: Path) -> RunData:
+    """Replay on vLLM and write the measured run directory (also when the engine failed:
+    the summary then says ``complete: false``). Raises EngineFailure if nothing ran."""
+    model_dir = resolve_model_dir(scenario, model)
+    try:
+        engine = build_engine(scenario, device, model_dir)
+        warm_up(engine, scenario)
+    except Exception as exc:  # vLLM raises many types on a bad model path, OOM, bad args
+        raise EngineFailure(
+            f"vLLM could not start {model_dir!r} on {device}: {type(exc).__name__}: {exc}"
+        ) from exc
+    result = replay(scenario, device, model_dir, engine)
+    summary = measured_summary(scenario, result)
+    write_run(
+        out_dir,
+        summary,
+        result.recorder.requests_frame(),
+        result.recorder.steps_frame(),
+        scenario_to_yaml(scenario),
+    )
+    return load_run(out_dir)
+
+
+def run_sim(scenario: Scenario, profile: CalibrationProfile | None, out_dir: Path) -> RunData:
+    result = simulate(scenario, profile)
+    result.write(out_dir)
+    return load_run(out_dir)
+
+
+@dataclass
+class ValidationReport:
+    scenario: str
+    sim_run: str
+    real_run: str
+    vllm_version: str
+    calibration: str | None
+    rows: list[ComparisonRow]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "scenario": self.scenario,
+            "sim_run": self.sim_run,
+            "real_run": self.real_run,
+            "vllm_version": self.vllm_version,
+            "calibration": self.calibration,
+            "metrics": rows_to_records(self.rows),
+        }
+
+
+def build_report(
+    scenario: Scenario, sim: RunData, real: RunData, calibration: Path | None
+) -> ValidationReport:
+    return ValidationReport(
+        scenario=scenario.name,
+        sim_run=str(sim.path),
+        real_run=str(real.path),
+        vllm_version=str(real.summary.get("vllm_version", "?")),
+        calibration=str(calibration) if calibration else None,
+        rows=compare_summaries(sim.summary, real.summary),
+    )
+
+
+def write_report(report: ValidationReport, path: Path) -> None:
+    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
