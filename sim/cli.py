@@ -108,6 +108,23 @@ def scenarios() -> None:
             console.print(f"[red]{path.name}[/red]: {exc}", highlight=False)
 
 
+@app.command()
+def dashboard(
+    host: Annotated[str, typer.Option(help="Address to bind (local only by default).")] = (
+        "127.0.0.1"
+    ),
+    port: Annotated[int, typer.Option(help="Port to serve on.")] = 8501,
+    runs_dir: Annotated[Path, typer.Option(help="Where run directories are read and saved.")] = (
+        Path("runs")
+    ),
+    headless: Annotated[bool, typer.Option(help="Do not open a browser.")] = False,
+) -> None:
+    """Open the Streamlit dashboard: what-ifs, run explorer, sim-vs-real comparison."""
+    from dashboard.launch import launch
+
+    raise typer.Exit(launch(host=host, port=port, runs_dir=runs_dir, headless=headless))
+
+
 def _register_validation_commands() -> None:
     # validate/ imports vLLM lazily, inside the commands: registering them costs nothing.
     from validate import commands

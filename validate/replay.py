@@ -59,7 +59,6 @@ class VllmSink:
         self._external_id: dict[str, str] = {}
         self._wakeup: simpy.Event | None = None
         self.error: str | None = None
-        self.monotonic_offset_s = 0.0  # env time = monotonic + offset
         self.process = env.process(self._run())
 
     @property
@@ -108,7 +107,6 @@ class VllmSink:
                 self._wakeup = None
                 continue
             start_s = env.now
-            self.monotonic_offset_s = start_s - time.monotonic()
             started = time.perf_counter()
             del records[:]
             try:
@@ -116,27 +114,31 @@ class VllmSink:
             except Exception as exc:  # the real engine failed: stop, keep what we have
                 self.error = f"vLLM engine step failed: {type(exc).__name__}: {exc}"
                 return
+            # Handing the tokens over is part of the step, as in a server's output loop: the
+            # clock stops after it, so measured step times include it.
+            delivered = [self._take_tokens(out) for out in outputs]
             duration_s = time.perf_counter() - started
-            yield env.timeout(duration_s)
-            end_s = env.now
+            end_s = start_s + duration_s
             for batch in records:
                 self._record_step(batch, start_s, end_s)
-            for out in outputs:
-                self._deliver(out, end_s)
+            for request, num_new, finished in delivered:
+                self.recorder.requests[request.request_id].token_times_s.extend([end_s] * num_new)
+                if finished:
+                    self.recorder.on_finished(request, end_s)
+            yield env.timeout(duration_s)
+            for request, _, finished in delivered:
+                if finished:
+                    self._live.pop(request.request_id)[1].succeed(request)
 
-    def _deliver(self, out: Any, now_s: float) -> None:
-        request, done = self._live[self._external_id.get(out.request_id, out.request_id)]
-        completion = out.outputs[0]
-        record = self.recorder.requests[request.request_id]
-        for token_id in completion.token_ids:
-            request.token_ids.append(token_id)
-            record.token_times_s.append(now_s)
+    def _take_tokens(self, out: Any) -> tuple[Request, int, bool]:
+        """Append a step's new tokens to the request; (request, new tokens, finished)."""
+        request, _ = self._live[self._external_id.get(out.request_id, out.request_id)]
+        new_tokens = out.outputs[0].token_ids
+        request.token_ids.extend(new_tokens)
         if out.finished:
             metrics = getattr(out, "metrics", None)
             request.num_preemptions = getattr(metrics, "num_preemptions", 0) or 0
-            self.recorder.on_finished(request, now_s)
-            del self._live[request.request_id]
-            done.succeed(request)
+        return request, len(new_tokens), bool(out.finished)
 
     def _record_step(self, batch: StepBatch, start_s: float, end_s: float) -> None:
         recorder = self.recorder

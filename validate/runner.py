@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from sim.cost_model import CalibrationProfile
 from sim.metrics import summarize
-from sim.results import RunData, load_run, write_run
+from sim.results import RunData, load_run
 from sim.runner import simulate
 from sim.scenario import Scenario, scenario_to_yaml
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
 from validate.engine_args import resolve_model_dir
-from validate.replay import ReplayResult, build_engine, replay, warm_up
+from validate.replay import ReplayResult
 
 
 class EngineFailure(RuntimeError):
@@ -58,25 +61,41 @@ def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]
 
 
 def run_real(scenario: Scenario, device: str, model: str | None, out_dir: Path) -> RunData:
-    """Replay on vLLM and write the measured run directory (also when the engine failed:
-    the summary then says ``complete: false``). Raises EngineFailure if nothing ran."""
+    """Replay on vLLM (in a fresh process) and write the measured run directory, also when
+    the engine failed mid-run (the summary then says ``complete: false``). Raises
+    EngineFailure when vLLM could not start or its process died without writing anything;
+    vLLM's own log is kept next to the run as ``<out_dir>.vllm.log``."""
     model_dir = resolve_model_dir(scenario, model)
-    try:
-        engine = build_engine(scenario, device, model_dir)
-        warm_up(engine, scenario)
-    except Exception as exc:  # vLLM raises many types on a bad model path, OOM, bad args
-        raise EngineFailure(
-            f"vLLM could not start {model_dir!r} on {device}: {type(exc).__name__}: {exc}"
-        ) from exc
-    result = replay(scenario, device, model_dir, engine)
-    summary = measured_summary(scenario, result)
-    write_run(
-        out_dir,
-        summary,
-        result.recorder.requests_frame(),
-        result.recorder.steps_frame(),
-        scenario_to_yaml(scenario),
-    )
+    out_dir = Path(out_dir)
+    if out_dir.exists():
+        raise FileExistsError(f"{out_dir} already exists; kvsim never overwrites a run")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir.with_name(out_dir.name + ".vllm.log")
+    with tempfile.TemporaryDirectory() as tmp:
+        scenario_path = Path(tmp) / "scenario.yaml"
+        scenario_path.write_text(scenario_to_yaml(scenario))
+        with log_path.open("w") as log:
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "validate.replay_worker",
+                    str(scenario_path),
+                    device,
+                    model_dir,
+                    str(out_dir),
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                check=False,
+            )
+    if proc.returncode != 0 or not out_dir.is_dir():
+        lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
+        reason = next((ln for ln in reversed(lines) if "could not start" in ln), None)
+        if reason is None:
+            tail = lines[-1] if lines else "no output"
+            reason = f"the vLLM process exited with status {proc.returncode} ({tail})"
+        raise EngineFailure(f"{reason}; full log: {log_path}")
     return load_run(out_dir)
 
 

@@ -1,0 +1,205 @@
+"""Pure data shaping for the dashboard: downsampling, CDF points, ITL samples, waterfalls.
+
+No Streamlit here: these functions take and return DataFrames / arrays, so they are tested
+directly and reused by the cached loaders.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+
+# Columns of steps.parquet the timelines plot.
+TIMELINE_COLUMNS = [
+    "start_s",
+    "duration_s",
+    "kv_cache_usage_perc",
+    "num_requests_running",
+    "num_requests_waiting",
+    "num_free_blocks",
+    "num_preemptions",
+    "num_swapped_out_blocks",
+    "num_swapped_in_blocks",
+]
+# Columns of requests.parquet kept in memory (everything but the per-token times).
+REQUEST_VIEW_COLUMNS = [
+    "request_id",
+    "session_id",
+    "turn",
+    "subcall",
+    "priority_class",
+    "priority",
+    "arrival_s",
+    "first_scheduled_s",
+    "first_token_s",
+    "finish_s",
+    "prompt_tokens",
+    "output_tokens",
+    "cached_tokens",
+    "num_preemptions",
+    "ttft_s",
+    "e2e_s",
+    "queue_s",
+]
+MAX_TIMELINE_POINTS = 5000
+MAX_CDF_POINTS = 2000
+ALL_CLASSES = "all requests"
+
+
+@dataclass(frozen=True)
+class Sampled:
+    """Every ``stride``-th row of a table of ``total`` rows (plus its last row)."""
+
+    frame: pd.DataFrame
+    total: int
+    stride: int
+
+    def note(self, what: str = "steps") -> str | None:
+        """The note to show next to a downsampled plot; None when nothing was dropped."""
+        if self.stride <= 1:
+            return None
+        return (
+            f"showing {len(self.frame):,} of {self.total:,} {what} (every {ordinal(self.stride)})"
+        )
+
+
+def ordinal(k: int) -> str:
+    suffix = "th" if 10 <= k % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(k % 10, "th")
+    return f"{k:,}{suffix}"
+
+
+def every_kth(frame: pd.DataFrame, max_points: int = MAX_TIMELINE_POINTS) -> Sampled:
+    """Keep every k-th row (k the smallest stride that fits ``max_points``) and the last row."""
+    total = len(frame)
+    if total <= max_points:
+        return Sampled(frame.reset_index(drop=True), total, 1)
+    stride = math.ceil(total / max_points)
+    index = np.arange(0, total, stride)
+    if index[-1] != total - 1:
+        index = np.append(index, total - 1)
+    return Sampled(frame.iloc[index].reset_index(drop=True), total, stride)
+
+
+def cdf_points(values: np.ndarray, max_points: int = MAX_CDF_POINTS) -> pd.DataFrame:
+    """Empirical CDF of the finite ``values`` as (value, fraction) points.
+
+    With more samples than ``max_points`` the sorted samples are taken at evenly spaced ranks
+    (always including the minimum and maximum), so the curve keeps its exact shape.
+    """
+    arr = np.asarray(values)
+    finite = np.isfinite(arr)
+    arr = arr.copy() if finite.all() else arr[finite]
+    arr.sort()  # in place: no second copy of a 30M-sample array
+    n = arr.size
+    if n == 0:
+        return pd.DataFrame({"value": [], "fraction": []})
+    ranks = np.arange(n) if n <= max_points else np.unique(np.linspace(0, n - 1, max_points))
+    ranks = ranks.astype(np.int64)
+    return pd.DataFrame({"value": arr[ranks].astype(float), "fraction": (ranks + 1) / n})
+
+
+def flatten_times(token_times: pd.Series) -> tuple[np.ndarray, np.ndarray]:
+    """Per-request token-time lists as one flat float64 array and row offsets ``[n + 1]``."""
+    lengths = np.fromiter((len(t) for t in token_times), dtype=np.int64, count=len(token_times))
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if offsets[-1] == 0:
+        return np.empty(0), offsets
+    return np.concatenate(token_times.to_numpy(), dtype=float), offsets
+
+
+def itl_samples(
+    flat: np.ndarray, offsets: np.ndarray, row_codes: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every inter-token gap of every request (float32 seconds) and its row's code.
+
+    ``flat`` / ``offsets`` are the flattened per-token times (``flatten_times`` or Arrow's
+    list layout); vectorized because a 100k-request run has tens of millions of tokens.
+    """
+    if flat.size < 2:
+        return np.empty(0, dtype=np.float32), np.empty(0, dtype=row_codes.dtype)
+    # float32 halves the memory and sort time; gaps are milliseconds, far above its resolution.
+    gaps = np.empty(flat.size - 1, dtype=np.float32)
+    np.subtract(flat[1:], flat[:-1], out=gaps, casting="same_kind")
+    keep = np.ones(gaps.size, dtype=bool)
+    bounds = offsets[1:-1] - 1  # the gap from a request's last token to the next one's first
+    keep[bounds[(bounds >= 0) & (bounds < gaps.size)]] = False
+    per_row = np.maximum(np.diff(offsets) - 1, 0)
+    return gaps[keep], np.repeat(row_codes, per_row)
+
+
+def latency_cdfs(
+    requests: pd.DataFrame, token_times: tuple[np.ndarray, np.ndarray] | None
+) -> pd.DataFrame:
+    """CDF points of TTFT, E2E and ITL, overall and per priority class.
+
+    ``token_times`` is ``(flat, offsets)`` of the requests' per-token times, None if absent.
+    Columns: metric (``ttft`` / ``e2e`` / ``itl``), priority_class, value (s), fraction.
+    """
+    codes, names = pd.factorize(requests["priority_class"].astype(str), sort=True)
+    codes = codes.astype(np.int16)
+    finished = requests["finish_s"].notna().to_numpy()
+    series: dict[str, tuple[np.ndarray, np.ndarray]] = {
+        "ttft": (requests["ttft_s"].to_numpy(dtype=float), codes),
+        "e2e": (requests["e2e_s"].to_numpy(dtype=float)[finished], codes[finished]),
+    }
+    if token_times is not None:
+        series["itl"] = itl_samples(*token_times, codes)
+    parts = []
+    for metric, (values, owners) in series.items():
+        groups = [(ALL_CLASSES, values)]
+        if len(names) > 1:  # integer codes: comparing 30M strings would take seconds
+            groups += [(str(name), values[owners == k]) for k, name in enumerate(names)]
+        for name, vals in groups:
+            points = cdf_points(vals)
+            points.insert(0, "priority_class", name)
+            points.insert(0, "metric", metric)
+            parts.append(points)
+    return pd.concat(parts, ignore_index=True)
+
+
+PHASES = ("queueing", "prefill", "decode", "tool wait")
+
+
+def session_waterfall(requests: pd.DataFrame, session_id: int) -> pd.DataFrame:
+    """One bar segment per phase of each request of a session, times relative to its start.
+
+    queueing: arrival -> first scheduled; prefill: first scheduled -> first token; decode:
+    first token -> finish; tool wait: the turn's last finish -> the next turn's arrival.
+    A preempted request's label says so (its decode bar then includes the recompute).
+    Columns: label, turn, phase, start_s, duration_s. Missing times drop their segment.
+    """
+    rows = requests[requests["session_id"] == session_id].sort_values(
+        ["turn", "subcall", "arrival_s"]
+    )
+    if rows.empty:
+        return pd.DataFrame(columns=["label", "turn", "phase", "start_s", "duration_s"])
+    t0 = float(rows["arrival_s"].min())
+    next_arrival = rows.groupby("turn")["arrival_s"].min().shift(-1)
+    turn_finish = rows.groupby("turn")["finish_s"].max()
+    last_of_turn = ~rows["turn"].duplicated(keep="last")
+    segments = []
+    for rec, is_last in zip(rows.itertuples(index=False), last_of_turn, strict=True):
+        label = f"turn {rec.turn}" if rec.subcall < 0 else f"turn {rec.turn}.{rec.subcall}"
+        if getattr(rec, "num_preemptions", 0):  # its decode bar includes the recompute
+            label += f" (preempted {rec.num_preemptions}x)"
+        bounds = [
+            ("queueing", rec.arrival_s, rec.first_scheduled_s),
+            ("prefill", rec.first_scheduled_s, rec.first_token_s),
+            ("decode", rec.first_token_s, rec.finish_s),
+        ]
+        if is_last:
+            bounds.append(("tool wait", turn_finish[rec.turn], next_arrival[rec.turn]))
+        for phase, start, end in bounds:
+            if np.isfinite(start) and np.isfinite(end) and end >= start:
+                segments.append((label, rec.turn, phase, start - t0, end - start))
+    return pd.DataFrame(segments, columns=["label", "turn", "phase", "start_s", "duration_s"])
+
+
+def strided(n: int, max_n: int) -> tuple[np.ndarray, int]:
+    """Indices of every k-th of ``n`` items so at most ``max_n`` remain, and k."""
+    stride = max(1, math.ceil(n / max_n))
+    return np.arange(0, n, stride), stride

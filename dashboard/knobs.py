@@ -1,0 +1,171 @@
+"""The What-if page's knobs: which apply to a scenario document, their current values, and
+the ``--set``-style overrides that turn edited values into a new scenario (pure, no Streamlit).
+
+Overrides go through :func:`sim.scenario.apply_override` on the raw YAML document and are then
+validated by :func:`sim.scenario.parse_scenario`, exactly like ``kvsim run --set``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from sim.config.engine import EngineConfig
+from sim.config.hardware import HARDWARE_PRESETS
+from sim.config.model import MODEL_PRESETS
+from sim.scenario import Scenario, apply_override, parse_scenario
+
+RATED_ARRIVALS = ("poisson", "gamma")
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One editable field: dotted path into the scenario document, widget kind and range."""
+
+    path: str
+    label: str
+    kind: str  # select | int | float | bool
+    default: Any
+    options: tuple[Any, ...] = ()
+    min_value: float | None = None
+    max_value: float | None = None
+    step: float | None = None
+    help: str | None = None
+
+
+def get_path(document: dict[str, Any], path: str, default: Any = None) -> Any:
+    node: Any = document
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return default
+        node = node[key]
+    return node
+
+
+def _engine_default(name: str) -> Any:
+    return EngineConfig.model_fields[name].default
+
+
+def _engine_knob(document: dict[str, Any], name: str, label: str, kind: str, **kw) -> Knob:
+    field = EngineConfig.model_fields[name]
+    value = get_path(document, f"engine.{name}", _engine_default(name))
+    return Knob(f"engine.{name}", label, kind, value, help=field.description, **kw)
+
+
+def _select(value: Any, presets: list[str]) -> tuple[Any, ...]:
+    return tuple(presets if value in presets else [value, *presets])
+
+
+def knobs_for(document: dict[str, Any]) -> list[Knob]:
+    """The knobs that apply to this document (workload knobs depend on its kind)."""
+    model = document.get("model")
+    hardware = document.get("hardware")
+    knobs = []
+    if isinstance(model, str):
+        knobs.append(Knob("model", "model", "select", model, _select(model, list(MODEL_PRESETS))))
+    if isinstance(hardware, str):
+        options = _select(hardware, list(HARDWARE_PRESETS))
+        knobs.append(Knob("hardware", "GPU", "select", hardware, options))
+    knobs += [
+        _engine_knob(document, "tensor_parallel_size", "tensor parallel size", "int", min_value=1),
+        _engine_knob(
+            document, "block_size", "block size (tokens)", "select",
+            options=_select(get_path(document, "engine.block_size", 16), [16, 32, 64, 128]),
+        ),
+        _engine_knob(
+            document, "gpu_memory_utilization", "gpu_memory_utilization", "float",
+            min_value=0.05, max_value=1.0, step=0.01,
+        ),
+        _engine_knob(
+            document, "max_num_batched_tokens", "max_num_batched_tokens", "int", min_value=1,
+            step=256,
+        ),
+        _engine_knob(document, "max_num_seqs", "max_num_seqs", "int", min_value=1, step=8),
+        _engine_knob(document, "enable_prefix_caching", "prefix caching", "bool"),
+        _engine_knob(
+            document, "scheduling_policy", "scheduling policy", "select",
+            options=("fcfs", "priority"),
+        ),
+    ]  # fmt: skip
+    workload = document.get("workload") or {}
+    kind = workload.get("kind") if isinstance(workload, dict) else None
+    count, arrival = {
+        "agent_sessions": ("sessions", "session_arrival"),
+        "open_loop": ("num_requests", "arrival"),
+    }.get(kind, (None, None))
+    if count is not None:
+        label = "agent sessions" if count == "sessions" else "requests"
+        value = get_path(document, f"workload.{count}", 1)
+        knobs.append(Knob(f"workload.{count}", label, "int", value, min_value=1, step=10))
+    if arrival is not None and get_path(document, f"workload.{arrival}.kind") in RATED_ARRIVALS:
+        rate = get_path(document, f"workload.{arrival}.rate_per_s", 1.0)
+        unit = "sessions" if count == "sessions" else "requests"
+        knobs.append(
+            Knob(
+                f"workload.{arrival}.rate_per_s",
+                f"arrival rate ({unit}/s)",
+                "float",
+                float(rate),
+                min_value=0.001,
+                step=0.05,
+                help="Mean arrivals per second of the scenario's arrival process.",
+            )
+        )
+    # A value of the wrong type in the file gets no widget: validation reports it on run.
+    return [k for k in knobs if _fits(k)]
+
+
+def _fits(knob: Knob) -> bool:
+    value = knob.default
+    if knob.kind == "bool":
+        return isinstance(value, bool)
+    if knob.kind == "int":
+        return isinstance(value, int) and not isinstance(value, bool)
+    if knob.kind == "float":
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    return value in knob.options
+
+
+def yaml_value(value: Any) -> str:
+    """A value as the right-hand side of ``--set`` (parsed as YAML; JSON scalars are YAML)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, float):
+        return repr(value)
+    return json.dumps(value) if isinstance(value, str) else str(value)
+
+
+def build_overrides(knobs: list[Knob], values: dict[str, Any]) -> list[str]:
+    """``path=value`` for every knob whose edited value differs from the document's."""
+    out = []
+    for knob in knobs:
+        if knob.path not in values:
+            continue
+        value = values[knob.path]
+        if value != knob.default:
+            out.append(f"{knob.path}={yaml_value(value)}")
+    return out
+
+
+def scenario_from(
+    document: dict[str, Any], overrides: list[str], source: str, base_dir: Path | None
+) -> Scenario:
+    """Apply the overrides to a copy of the raw document and validate it (KvsimConfigError)."""
+    doc = copy.deepcopy(document)
+    for assignment in overrides:
+        apply_override(doc, assignment)
+    return parse_scenario(doc, source, base_dir=base_dir)
+
+
+def question(text: str) -> str:
+    """The leading comment block of a scenario file (its question), without the ``#``."""
+    lines = []
+    for line in text.splitlines():
+        if not line.startswith("#"):
+            break
+        lines.append(line.lstrip("#").strip())
+    text = " ".join(lines).removeprefix("Question:").strip()
+    return text[:1].upper() + text[1:]

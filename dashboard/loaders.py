@@ -1,0 +1,215 @@
+"""Cached loaders of run directories, block maps and sweep results.
+
+Everything is cached with ``st.cache_data`` keyed on the resolved path and the newest
+modification time of the files read, so a rewritten file is read again. What is cached is
+a compact :class:`RunView`: the per-token times of a run (tens of millions of floats at 100k
+requests) are reduced to CDF points and the step table to a downsampled timeline at load
+time, because ``st.cache_data`` hands out a pickled copy on every rerun.
+
+``block_map.npz`` (optional; simulated runs write it, see ``sim/block_map.py``):
+
+- ``times_s``: float64 ``[T]``, the snapshot times;
+- ``states``: uint8 ``[T, num_blocks]``: 0 = free, 1 = cached but free (prefix cache),
+  ``2 + k`` = owned by a running request of priority class ``k``;
+- ``classes``: ``[K]`` strings, the names of the priority classes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import streamlit as st
+
+from dashboard.data import (
+    MAX_TIMELINE_POINTS,
+    REQUEST_VIEW_COLUMNS,
+    TIMELINE_COLUMNS,
+    Sampled,
+    every_kth,
+    latency_cdfs,
+)
+from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY
+
+RUNS_DIR_ENV = "KVSIM_RUNS_DIR"
+BLOCK_MAP = "block_map.npz"
+SWEEPS = "sweeps"
+SWEEP_FILE = "sweep.json"
+_RUN_FILES = (SUMMARY, REQUESTS, STEPS, SCENARIO, BLOCK_MAP)
+
+
+def runs_dir(argv: list[str] | None = None) -> Path:
+    """The runs directory: ``--runs-dir DIR`` after ``--`` on the streamlit command line,
+    else ``$KVSIM_RUNS_DIR``, else ``./runs``."""
+    argv = sys.argv[1:] if argv is None else argv
+    for i, arg in enumerate(argv):
+        if arg == "--runs-dir" and i + 1 < len(argv):
+            return Path(argv[i + 1])
+        if arg.startswith("--runs-dir="):
+            return Path(arg.split("=", 1)[1])
+    env = os.environ.get(RUNS_DIR_ENV)
+    return Path(env) if env else Path("runs")
+
+
+def list_runs(base: Path) -> list[Path]:
+    """Run directories directly under ``base`` (those with a summary.json), newest first."""
+    if not base.is_dir():
+        return []
+    found = [p for p in base.iterdir() if p.is_dir() and (p / SUMMARY).is_file()]
+    return sorted(found, key=lambda p: (-(p / SUMMARY).stat().st_mtime_ns, p.name))
+
+
+def mtime_key(path: Path) -> int:
+    """Newest modification time (ns) of the run files present: the cache key's freshness."""
+    times = [(path / name).stat().st_mtime_ns for name in _RUN_FILES if (path / name).exists()]
+    return max(times, default=path.stat().st_mtime_ns if path.exists() else 0)
+
+
+@dataclass(frozen=True)
+class RunView:
+    """What the pages show of one run directory (small enough to cache by value)."""
+
+    path: str
+    summary: dict[str, Any]
+    scenario_yaml: str
+    requests: pd.DataFrame  # requests.parquet without the per-token times
+    timeline: Sampled  # every k-th step of TIMELINE_COLUMNS
+    preemptions: Sampled  # steps with num_preemptions > 0
+    num_swapped_blocks: int
+    cdfs: pd.DataFrame  # latency_cdfs(): metric, priority_class, value, fraction
+
+    @property
+    def label(self) -> str:
+        return f"{self.summary.get('source', '?')}:{Path(self.path).name}"
+
+
+def _read_files(path: Path) -> tuple[dict[str, Any], pa.Table, pd.DataFrame, str]:
+    """summary, requests (Arrow), the timeline columns of steps, scenario text.
+
+    The same checks and reasons as :func:`sim.results.load_run`, but only the step columns
+    the timelines plot are read, and per-token times stay in Arrow's flat layout (pandas
+    would make one array object per request).
+    """
+    if not path.is_dir():
+        raise ValueError(f"{path} is not a run directory")
+    missing = [f for f in (SUMMARY, REQUESTS, STEPS) if not (path / f).is_file()]
+    if missing:
+        raise ValueError(f"{path} is not a complete run directory: missing {', '.join(missing)}")
+    try:
+        summary = json.loads((path / SUMMARY).read_text())
+        requests = pq.read_table(path / REQUESTS)
+        step_names = pq.read_schema(path / STEPS).names
+        lacking = [c for c in TIMELINE_COLUMNS if c not in step_names]
+        lacking += [c for c in REQUEST_VIEW_COLUMNS if c not in requests.column_names]
+        if lacking:
+            raise ValueError(f"run files lack columns {', '.join(lacking)}")
+        steps = pd.read_parquet(path / STEPS, columns=TIMELINE_COLUMNS)
+    except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
+        raise ValueError(f"{path}: cannot read run files: {exc}") from None
+    if not isinstance(summary, dict):
+        raise ValueError(f"{path}: cannot read run files: summary.json is not a JSON object")
+    scenario_yaml = (path / SCENARIO).read_text() if (path / SCENARIO).is_file() else ""
+    return summary, requests, steps, scenario_yaml
+
+
+def _token_times(requests: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
+    if "token_times_s" not in requests.column_names:
+        return None
+    column = requests.column("token_times_s").combine_chunks()
+    offsets = column.offsets.to_numpy()
+    flat = column.values.to_numpy()[offsets[0] : offsets[-1]]
+    return flat.astype(float, copy=False), offsets - offsets[0]
+
+
+def build_view(path: Path, max_points: int = MAX_TIMELINE_POINTS) -> RunView:
+    """Read a run directory into a RunView (no caching). Bad files raise ValueError."""
+    summary, table, steps, scenario_yaml = _read_files(Path(path))
+    requests = table.select(REQUEST_VIEW_COLUMNS).to_pandas()
+    requests["priority_class"] = requests["priority_class"].astype("category")
+    events = steps[steps["num_preemptions"] > 0]
+    swapped = steps[["num_swapped_out_blocks", "num_swapped_in_blocks"]].to_numpy().sum()
+    return RunView(
+        path=str(path),
+        summary=summary,
+        scenario_yaml=scenario_yaml,
+        requests=requests,
+        timeline=every_kth(steps, max_points),
+        preemptions=every_kth(events, max_points),
+        num_swapped_blocks=int(swapped),
+        cdfs=latency_cdfs(requests, _token_times(table)),
+    )
+
+
+@st.cache_data(max_entries=8, show_spinner="Loading run...")
+def _cached_view(path: str, mtime_ns: int, max_points: int) -> RunView:
+    del mtime_ns  # part of the cache key only
+    return build_view(Path(path), max_points)
+
+
+def load_view(path: str | Path, max_points: int = MAX_TIMELINE_POINTS) -> RunView:
+    """The cached RunView of a run directory; a bad directory raises ValueError."""
+    resolved = Path(path).expanduser().resolve()
+    return _cached_view(str(resolved), mtime_key(resolved), max_points)
+
+
+@dataclass(frozen=True)
+class BlockMap:
+    times_s: np.ndarray
+    states: np.ndarray
+    classes: list[str]
+
+
+def read_block_map(path: Path) -> BlockMap | None:
+    """The run's block_map.npz, None when absent; a malformed file raises ValueError."""
+    file = path / BLOCK_MAP
+    if not file.is_file():
+        return None
+    try:
+        with np.load(file, allow_pickle=False) as npz:
+            times, states, classes = npz["times_s"], npz["states"], npz["classes"]
+    except (OSError, ValueError, KeyError) as exc:
+        raise ValueError(f"{file}: cannot read block map: {exc}") from None
+    if times.ndim != 1 or states.ndim != 2 or states.shape[0] != times.shape[0]:
+        raise ValueError(
+            f"{file}: states must be [T, num_blocks] with T = len(times_s); got "
+            f"times_s {times.shape}, states {states.shape}"
+        )
+    return BlockMap(times.astype(float), states.astype(np.uint8), [str(c) for c in classes])
+
+
+@st.cache_data(max_entries=4, show_spinner="Loading block map...")
+def _cached_block_map(path: str, mtime_ns: int) -> BlockMap | None:
+    del mtime_ns
+    return read_block_map(Path(path))
+
+
+def load_block_map(path: str | Path) -> BlockMap | None:
+    resolved = Path(path).expanduser().resolve()
+    return _cached_block_map(str(resolved), mtime_key(resolved))
+
+
+def list_sweeps(base: Path) -> list[Path]:
+    """``sweep.json`` files under ``base/sweeps/*/`` (there is no sweep command yet)."""
+    root = base / SWEEPS
+    return sorted(root.glob(f"*/{SWEEP_FILE}")) if root.is_dir() else []
+
+
+@st.cache_data(max_entries=16, show_spinner=False)
+def _cached_json(path: str, mtime_ns: int) -> Any:
+    del mtime_ns
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{path}: cannot read: {exc}") from None
+
+
+def load_json(path: Path) -> Any:
+    return _cached_json(str(path.resolve()), path.stat().st_mtime_ns)

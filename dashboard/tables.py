@@ -1,0 +1,132 @@
+"""Summary tables as DataFrames: pure functions of ``summary.json`` contents (no Streamlit)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pandas as pd
+
+from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+from validate.compare import ComparisonRow
+
+LATENCIES = (("TTFT", TTFT), ("ITL", ITL), ("E2E", E2E), ("queue", QUEUE))
+
+
+def _ms(value: float | None) -> float | None:
+    return None if value is None else value * 1e3
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _num(value: float | None, fmt: str = ",.1f") -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def headline(summary: dict[str, Any]) -> str:
+    """One line: scenario, model on hardware, source, requests and simulated span."""
+    return (
+        f"{summary.get('scenario', '?')}: {summary.get('model', '?')} on "
+        f"{summary.get('hardware', '?')} [{summary.get('source', '?')}] "
+        f"{summary.get('num_finished', 0):,}/{summary.get('num_requests', 0):,} requests "
+        f"in {summary.get('duration_s', 0.0):,.1f} s"
+    )
+
+
+def latency_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """p50/p90/p99/mean (ms) and sample count of TTFT, ITL, E2E and queue time."""
+    m = summary.get("metrics", {})
+    rows = []
+    for name, key in LATENCIES:
+        s = m.get(key) or {}
+        rows.append(
+            {
+                "latency": name,
+                "p50 (ms)": _ms(s.get("p50")),
+                "p90 (ms)": _ms(s.get("p90")),
+                "p99 (ms)": _ms(s.get("p99")),
+                "mean (ms)": _ms(s.get("mean")),
+                "samples": s.get("count"),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def engine_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """KV cache, preemption, prefix cache, throughput, goodput and per-class rows."""
+    m = summary.get("metrics", {})
+    kv = m.get(KV_USAGE) or {}
+    p = m.get(PREEMPTIONS) or {}
+    waste = (m.get("kv_waste") or {}).get("unused_slot_frac_of_allocated")
+    rows = [
+        (
+            "KV cache usage mean / p95 / peak",
+            f"{_pct(kv.get('mean'))} / {_pct(kv.get('p95'))} / {_pct(kv.get('peak'))}",
+        ),
+        ("KV slots allocated but empty", _pct(waste)),
+        (
+            "preemptions (requests hit, max per request)",
+            f"{p.get('total', 0):,} ({p.get('requests_preempted', 0):,}, "
+            f"{p.get('per_request_max', 0)})",
+        ),
+        ("prefix cache hit rate", _pct(m.get("prefix_cache_hit_rate"))),
+        ("output throughput", f"{_num(m.get('output_throughput_tok_s'))} tok/s"),
+        ("request throughput", f"{_num(m.get('request_throughput_req_s'), '.2f')} req/s"),
+        (
+            "goodput (requests meeting every SLO)",
+            f"{_num(m.get('goodput_req_s'), '.2f')} req/s ({_pct(m.get('slo_attainment'))})",
+        ),
+        ("peak concurrent sessions", f"{m.get('peak_concurrent_sessions', 0):,}"),
+    ]
+    kv_cache = summary.get("kv_cache") or {}
+    if kv_cache.get("num_gpu_blocks"):
+        rows.append(
+            (
+                "KV blocks (block size)",
+                f"{kv_cache['num_gpu_blocks']:,} ({kv_cache.get('block_size', '?')} tokens)",
+            )
+        )
+    classes = m.get("by_priority_class") or {}
+    if len(classes) > 1:
+        for name, stats in classes.items():
+            ttft = stats.get("ttft_s") or {}
+            rows.append(
+                (
+                    f"TTFT p50 / p99 of {name} ({stats.get('count', 0):,} requests)",
+                    f"{_num(_ms(ttft.get('p50')))} / {_num(_ms(ttft.get('p99')))} ms",
+                )
+            )
+    return pd.DataFrame(rows, columns=["engine", "value"])
+
+
+def slo_frame(summary: dict[str, Any]) -> pd.DataFrame:
+    """One row per set SLO: target and measured p99 (ms) and PASS / FAIL."""
+    rows = []
+    for key, verdict in (summary.get("slos") or {}).items():
+        rows.append(
+            {
+                "SLO": key,
+                "target (ms)": _ms(verdict.get("target")),
+                "p99 (ms)": _ms(verdict.get("value")),
+                "verdict": "PASS" if verdict.get("pass") else "FAIL",
+            }
+        )
+    return pd.DataFrame(rows, columns=["SLO", "target (ms)", "p99 (ms)", "verdict"])
+
+
+def comparison_frame(rows: list[ComparisonRow]) -> pd.DataFrame:
+    """The error table: value, reference and relative error in % (inf when reference is 0)."""
+    records = []
+    for r in rows:
+        err = r.relative_error
+        records.append(
+            {
+                "metric": r.metric,
+                "unit": r.unit or "-",
+                "value": r.value,
+                "reference": r.reference,
+                "relative error (%)": None if err is None else err * 100,
+            }
+        )
+    return pd.DataFrame(records)

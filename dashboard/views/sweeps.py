@@ -1,0 +1,42 @@
+"""Sweeps: a plain reader of ``<runs dir>/sweeps/*/sweep.json``.
+
+kvsim has no sweep command yet; this page only appears in the navigation once such files
+exist, and shows each one as written: its parameters and a table of its result records.
+"""
+
+from __future__ import annotations
+
+import pandas as pd
+import streamlit as st
+
+from dashboard.loaders import list_sweeps, load_json, runs_dir
+
+st.title("Sweeps")
+st.caption(
+    "A simple reader of `sweeps/*/sweep.json` files under the runs directory. kvsim has no "
+    "sweep command yet; this page shows whatever those files hold."
+)
+files = list_sweeps(runs_dir())
+if not files:
+    st.info("No `sweeps/*/sweep.json` files under the runs directory.")
+    st.stop()
+
+for file in files:
+    st.subheader(file.parent.name)
+    try:
+        data = load_json(file)
+    except ValueError as exc:
+        st.error(str(exc))
+        continue
+    records = None
+    if isinstance(data, list):
+        records = data
+    elif isinstance(data, dict):
+        records = next(
+            (data[k] for k in ("results", "points", "runs") if isinstance(data.get(k), list)),
+            None,
+        )
+    if records and all(isinstance(r, dict) for r in records):
+        st.dataframe(pd.json_normalize(records), hide_index=True, key=f"sweep-{file.parent.name}")
+    with st.expander(f"{file} (raw)"):
+        st.json(data, expanded=False)

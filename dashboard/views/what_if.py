@@ -1,0 +1,164 @@
+"""What-if: pick or upload a scenario, edit its key knobs, simulate, read the summary, save."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import streamlit as st
+import yaml
+
+from dashboard import charts
+from dashboard.components import show_summary
+from dashboard.data import every_kth, flatten_times, latency_cdfs
+from dashboard.knobs import Knob, build_overrides, knobs_for, question, scenario_from
+from dashboard.loaders import runs_dir
+from sim.errors import KvsimConfigError
+from sim.results import new_run_dir
+from sim.runner import simulate
+from sim.scenario import SCENARIO_DIR
+
+RESULT = "what_if_result"
+
+st.title("What-if")
+st.caption(
+    "Change a vLLM config or the traffic and see what the simulated engine does with it. "
+    "Edits are applied as `--set` overrides on the scenario, exactly like `kvsim run --set`."
+)
+
+
+def _read_source() -> tuple[str, str, Path | None, str] | None:
+    """(scenario text, source name, base dir for relative paths, widget-key prefix)."""
+    source = st.radio(
+        "Scenario", ["shipped scenario", "upload YAML"], horizontal=True, key="wi-source"
+    )
+    if source == "shipped scenario":
+        files = sorted(SCENARIO_DIR.glob("*.yaml"))
+        default = next((i for i, f in enumerate(files) if f.stem.startswith("coding")), 0)
+        path = st.selectbox(
+            "Shipped scenario", files, index=default, format_func=lambda p: p.name, key="wi-file"
+        )
+        return path.read_text(), f"scenarios/{path.name}", SCENARIO_DIR, f"wi-{path.stem}"
+    upload = st.file_uploader("Scenario YAML", type=["yaml", "yml"], key="wi-upload")
+    if upload is None:
+        st.info("Upload a scenario file (see `scenarios/` and the README for the format).")
+        return None
+    data = upload.getvalue()
+    digest = hashlib.sha1(data).hexdigest()[:8]
+    st.caption("Relative paths in an uploaded scenario (traces, config.json) cannot be resolved.")
+    return data.decode("utf-8", errors="replace"), upload.name, None, f"wi-up-{digest}"
+
+
+def _knob_widget(knob: Knob, key: str) -> Any:
+    if knob.kind == "select":
+        options = list(knob.options)
+        index = options.index(knob.default) if knob.default in options else 0
+        return st.selectbox(knob.label, options, index=index, key=key, help=knob.help)
+    if knob.kind == "bool":
+        return st.checkbox(knob.label, value=bool(knob.default), key=key, help=knob.help)
+    if knob.kind == "int":
+        return st.number_input(
+            knob.label, value=int(knob.default), min_value=int(knob.min_value or 1),
+            step=int(knob.step or 1), key=key, help=knob.help,
+        )  # fmt: skip
+    return st.number_input(
+        knob.label, value=float(knob.default), min_value=knob.min_value,
+        max_value=knob.max_value, step=knob.step, format="%.3f", key=key, help=knob.help,
+    )  # fmt: skip
+
+
+def _run(scenario, overrides: list[str], source: str) -> None:
+    bar = st.progress(0.0, text=f"simulating {scenario.name}...")
+    limit_s = scenario.limits.max_duration_s
+
+    def progress(now_s: float, finished: int, expected: int | None) -> None:
+        frac = finished / expected if expected else now_s / limit_s
+        total = f"{expected:,}" if expected else "?"
+        bar.progress(
+            min(max(frac, 0.0), 1.0),
+            text=f"sim t = {now_s:,.0f} s, {finished:,}/{total} requests done",
+        )
+
+    started = time.perf_counter()
+    try:
+        result = simulate(scenario, progress=progress)
+    except ValueError as exc:  # KvsimConfigError (sizing), or a workload's own check
+        bar.empty()
+        st.error(str(exc))
+        return
+    bar.empty()
+    st.session_state[RESULT] = {
+        "result": result,
+        "wall_s": time.perf_counter() - started,
+        "overrides": overrides,
+        "source": source,
+        "saved": None,
+    }
+
+
+def _show_result(state: dict[str, Any]) -> None:
+    result = state["result"]
+    st.subheader("Result")
+    sets = " ".join(f"--set {o}" for o in state["overrides"])
+    st.caption(f"Simulated in {state['wall_s']:.1f} s wall. Equivalent command:")
+    st.code(f"kvsim run {state['source']} {sets}".strip(), language="bash")
+    show_summary(result.summary, key="wi")
+
+    sampled = every_kth(result.steps)
+    events = result.steps[result.steps["num_preemptions"] > 0]
+    fig = charts.timeline_figure(sampled.frame, events, title="KV cache and requests over time")
+    st.plotly_chart(fig, key="wi-timeline")
+    if note := sampled.note():
+        st.caption(note)
+    cdfs = latency_cdfs(result.requests, flatten_times(result.requests["token_times_s"]))
+    cols = st.columns(3)
+    for col, metric in zip(cols, ("ttft", "itl", "e2e"), strict=True):
+        col.plotly_chart(charts.cdf_figure(cdfs, metric), key=f"wi-cdf-{metric}")
+
+    base = runs_dir()
+    name_col, button_col = st.columns([3, 1], vertical_alignment="bottom")
+    name = name_col.text_input("Run name", value=result.scenario.name, key="wi-save-name")
+    name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or result.scenario.name
+    if button_col.button("Save run", key="wi-save", disabled=state["saved"] is not None):
+        out = result.write(new_run_dir(base, name))  # with its block map
+        state["saved"] = out
+        st.rerun()
+    if state["saved"] is not None:
+        st.success(f"Saved to `{state['saved']}`: open it in the Run explorer.")
+
+
+picked = _read_source()
+if picked is not None:
+    text, source_name, base_dir, prefix = picked
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        st.error(f"{source_name}: not valid YAML: {exc}")
+        st.stop()
+    if not isinstance(document, dict):
+        st.error(f"{source_name}: a scenario is a YAML mapping, got {type(document).__name__}")
+        st.stop()
+    if q := question(text):
+        st.info(q)
+    knobs = knobs_for(document)
+    with st.form(f"{prefix}-form"):
+        cols = st.columns(4)
+        values = {}
+        for i, knob in enumerate(knobs):
+            with cols[i % 4]:
+                values[knob.path] = _knob_widget(knob, f"{prefix}-{knob.path}")
+        submitted = st.form_submit_button("Run simulation", type="primary", key="wi-run")
+    if submitted:
+        overrides = build_overrides(knobs, values)
+        try:
+            scenario = scenario_from(document, overrides, source_name, base_dir)
+        except KvsimConfigError as exc:
+            st.error(str(exc))
+        else:
+            _run(scenario, overrides, source_name)
+
+if RESULT in st.session_state:
+    _show_result(st.session_state[RESULT])

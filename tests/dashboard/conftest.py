@@ -1,0 +1,46 @@
+"""Fixtures for the dashboard tests: a runs directory with two small simulated runs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.results import write_run
+from sim.runner import simulate
+from sim.scenario import SCENARIO_DIR, load_scenario
+
+APP = Path(__file__).resolve().parents[2] / "dashboard" / "app.py"
+
+# Small and fast (well under a second each): 10 coding agents; 16 priority-mix sessions on a
+# pool small enough that a few requests are preempted.
+SMALL_RUNS = {
+    "coding-small": ("coding-agents-8b-h100.yaml", ["workload.sessions=10"]),
+    "priority-small": (
+        "priority-mix.yaml",
+        ["workload.sessions=16", "engine.num_gpu_blocks_override=2100"],
+    ),
+}
+
+
+@pytest.fixture(scope="session")
+def small_runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A runs directory: ``priority-small`` with its block map, ``coding-small`` without one
+    (written as a measured run would be)."""
+    base = tmp_path_factory.mktemp("runs")
+    for name, (scenario, overrides) in SMALL_RUNS.items():
+        result = simulate(load_scenario(SCENARIO_DIR / scenario, overrides))
+        if name == "priority-small":
+            result.write(base / name)
+        else:
+            write_run(
+                base / name, result.summary, result.requests, result.steps, result.scenario_yaml
+            )
+    return base
+
+
+@pytest.fixture
+def runs_env(small_runs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Point the dashboard at ``small_runs`` through $KVSIM_RUNS_DIR."""
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(small_runs))
+    return small_runs

@@ -1,0 +1,119 @@
+"""Plotly figure builders: traces and axis titles (with units), no Streamlit involved."""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+
+from dashboard import charts
+from dashboard.data import ALL_CLASSES, TIMELINE_COLUMNS
+
+
+def _steps(n: int = 50, swap: bool = False) -> pd.DataFrame:
+    frame = pd.DataFrame({c: np.zeros(n) for c in TIMELINE_COLUMNS})
+    frame["start_s"] = np.arange(n) * 0.1
+    frame["kv_cache_usage_perc"] = np.linspace(0, 1, n)
+    frame["num_requests_running"] = np.arange(n)
+    if swap:
+        frame.loc[10, "num_swapped_out_blocks"] = 4
+    return frame
+
+
+def _axis_titles(fig) -> set[str]:
+    layout = fig.to_dict()["layout"]
+    return {
+        v["title"]["text"]
+        for k, v in layout.items()
+        if k.startswith(("xaxis", "yaxis")) and "title" in v
+    }
+
+
+def test_timeline_figure() -> None:
+    steps = _steps()
+    events = steps.iloc[[5, 9]].assign(num_preemptions=[1, 2])
+    fig = charts.timeline_figure(steps, events)
+    assert [t.name for t in fig.data] == ["KV cache usage", "preemption", "running", "waiting"]
+    assert list(fig.data[0].y[:2]) == [0.0, 100 / 49]  # percent
+    assert list(fig.data[1].customdata) == [1, 2]
+    assert _axis_titles(fig) == {"KV cache usage (%)", "requests", "time (s)"}
+
+
+def test_timeline_figure_adds_swap_panel_only_when_blocks_move() -> None:
+    assert len(charts.timeline_figure(_steps()).data) == 3
+    fig = charts.timeline_figure(_steps(swap=True))
+    assert [t.name for t in fig.data][-2:] == ["swap out", "swap in"]
+    assert "blocks per step" in _axis_titles(fig)
+
+
+def test_cdf_figure_in_ms_on_log_axis() -> None:
+    cdfs = pd.DataFrame(
+        {
+            "metric": ["ttft", "ttft", "e2e"],
+            "priority_class": [ALL_CLASSES, ALL_CLASSES, ALL_CLASSES],
+            "value": [0.01, 0.02, 1.0],
+            "fraction": [0.5, 1.0, 1.0],
+        }
+    )
+    fig = charts.cdf_figure(cdfs, "ttft")
+    assert len(fig.data) == 1 and list(fig.data[0].x) == [10.0, 20.0]
+    assert fig.layout.xaxis.type == "log"
+    assert _axis_titles(fig) == {"time to first token (ms)", "fraction of requests"}
+    grouped = charts.cdf_figure(cdfs.assign(run=["r1", "r2", "r1"]), "ttft", group="run")
+    assert [t.name for t in grouped.data] == ["r1", "r2"]
+
+
+def test_overlay_timeline_figure() -> None:
+    fig = charts.overlay_timeline_figure(
+        {"a": _steps(), "b": _steps(10)}, "kv_cache_usage_perc", "KV cache usage (%)", scale=100
+    )
+    assert [t.name for t in fig.data] == ["a", "b"]
+    assert fig.data[0].y[-1] == 100
+    assert _axis_titles(fig) == {"KV cache usage (%)", "time (s)"}
+
+
+def test_block_map_figure_downsamples_with_a_note() -> None:
+    times = np.linspace(0, 10, 100)
+    states = np.zeros((100, 2000), dtype=np.uint8)
+    states[:, :500] = 2
+    states[:, 500:600] = 1
+    fig, note = charts.block_map_figure(times, states, ["a"], selected=50, max_times=50)
+    z = np.asarray(fig.data[0].z)
+    assert z.shape == (500, 50)  # blocks x snapshots: every 4th block, every 2nd snapshot
+    assert note == "showing 50 of 100 snapshots (every 2nd) and 500 of 2,000 blocks (every 4th)"
+    assert _axis_titles(fig) == {"time (s)", "block index"}
+    assert list(fig.data[0].colorbar.ticktext) == [
+        "free",
+        "prefix-cached (free)",
+        "running: a",
+    ]
+    assert fig.layout.shapes[0].x0 == times[50]
+    _, none = charts.block_map_figure(times[:10], states[:10, :100], ["a"])
+    assert none is None
+
+
+def test_block_strip_figure_wraps_every_block() -> None:
+    row = np.arange(300) % 3
+    fig = charts.block_strip_figure(row.astype(np.uint8), ["a"], 1.5, width=128)
+    z = np.asarray(fig.data[0].z, dtype=float)
+    assert z.shape == (3, 128)
+    assert np.isnan(z[2, 300 - 256 :]).all()  # padding beyond block 299
+    assert z[1, 0] == row[128]
+    assert "every block at t = 1.50 s" in fig.layout.title.text
+
+
+def test_waterfall_figure() -> None:
+    segments = pd.DataFrame(
+        {
+            "label": ["turn 0", "turn 0", "turn 1"],
+            "turn": [0, 0, 1],
+            "phase": ["queueing", "decode", "prefill"],
+            "start_s": [0.0, 1.0, 3.0],
+            "duration_s": [1.0, 2.0, 0.5],
+        }
+    )
+    fig = charts.waterfall_figure(segments)
+    assert [t.name for t in fig.data] == ["queueing", "prefill", "decode", "tool wait"]
+    decode = fig.data[2]
+    assert list(decode.base) == [1.0] and list(decode.x) == [2.0]
+    assert list(fig.layout.yaxis.categoryarray) == ["turn 0", "turn 1"]
+    assert _axis_titles(fig) == {"time since the session's first arrival (s)", "turn"}

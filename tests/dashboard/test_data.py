@@ -1,0 +1,249 @@
+"""Pure data shaping: downsampling, CDF points, ITL samples, waterfalls, knobs, tables."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from dashboard.data import (
+    ALL_CLASSES,
+    cdf_points,
+    every_kth,
+    flatten_times,
+    itl_samples,
+    latency_cdfs,
+    ordinal,
+    session_waterfall,
+)
+from dashboard.knobs import build_overrides, knobs_for, question, scenario_from, yaml_value
+from dashboard.tables import comparison_frame, engine_frame, latency_frame, slo_frame
+from sim.errors import KvsimConfigError
+from sim.scenario import SCENARIO_DIR
+from validate.compare import ComparisonRow
+
+
+def test_every_kth_keeps_short_frames_and_says_nothing() -> None:
+    frame = pd.DataFrame({"x": range(10)})
+    sampled = every_kth(frame, max_points=10)
+    assert sampled.stride == 1 and len(sampled.frame) == 10 and sampled.note() is None
+
+
+def test_every_kth_strides_and_keeps_the_last_row() -> None:
+    frame = pd.DataFrame({"x": range(1001)})
+    sampled = every_kth(frame, max_points=100)
+    assert sampled.stride == 11
+    assert list(sampled.frame["x"][:3]) == [0, 11, 22]
+    assert sampled.frame["x"].iloc[-1] == 1000
+    assert sampled.note() == f"showing {len(sampled.frame)} of 1,001 steps (every 11th)"
+
+
+@pytest.mark.parametrize(("k", "text"), [(1, "1st"), (2, "2nd"), (3, "3rd"), (11, "11th")])
+def test_ordinal(k: int, text: str) -> None:
+    assert ordinal(k) == text
+
+
+def test_cdf_points_small_is_exact_and_drops_nan() -> None:
+    points = cdf_points(np.array([3.0, 1.0, np.nan, 2.0]))
+    assert list(points["value"]) == [1.0, 2.0, 3.0]
+    assert list(points["fraction"]) == pytest.approx([1 / 3, 2 / 3, 1.0])
+
+
+def test_cdf_points_large_keeps_min_max_and_shape() -> None:
+    values = np.arange(100_000, dtype=float)
+    points = cdf_points(values, max_points=500)
+    assert len(points) == 500
+    assert points["value"].iloc[0] == 0 and points["value"].iloc[-1] == 99_999
+    assert points["fraction"].iloc[-1] == 1.0
+    # evenly spaced ranks of a uniform sample: value / n tracks the fraction
+    assert np.allclose(points["value"] / 100_000, points["fraction"], atol=1e-4)
+
+
+def test_itl_samples_skip_request_boundaries_and_empty_requests() -> None:
+    times = pd.Series([[1.0, 1.5, 2.5], [], [10.0], [20.0, 20.25]])
+    flat, offsets = flatten_times(times)
+    assert list(offsets) == [0, 3, 3, 4, 6]
+    gaps, owners = itl_samples(flat, offsets, np.array([0, 1, 2, 3]))
+    assert list(gaps) == [0.5, 1.0, 0.25]
+    assert list(owners) == [0, 0, 3]
+
+
+def test_latency_cdfs_per_class_and_overall() -> None:
+    requests = pd.DataFrame(
+        {
+            "priority_class": ["a", "b", "a"],
+            "ttft_s": [0.1, 0.2, 0.3],
+            "e2e_s": [1.0, 2.0, math.nan],
+            "finish_s": [1.0, 2.0, math.nan],
+        }
+    )
+    times = flatten_times(pd.Series([[0.1, 0.2], [0.3, 0.5, 0.6], [0.4]]))
+    cdfs = latency_cdfs(requests, times)
+    counts = cdfs.groupby(["metric", "priority_class"]).size().to_dict()
+    assert counts == {
+        ("e2e", ALL_CLASSES): 2, ("e2e", "a"): 1, ("e2e", "b"): 1,
+        ("itl", ALL_CLASSES): 3, ("itl", "a"): 1, ("itl", "b"): 2,
+        ("ttft", ALL_CLASSES): 3, ("ttft", "a"): 2, ("ttft", "b"): 1,
+    }  # fmt: skip
+    itl_b = cdfs[(cdfs.metric == "itl") & (cdfs.priority_class == "b")]["value"]
+    assert list(itl_b) == pytest.approx([0.1, 0.2])
+
+
+def test_latency_cdfs_single_class_has_only_the_overall_curve() -> None:
+    requests = pd.DataFrame(
+        {"priority_class": ["x"], "ttft_s": [0.1], "e2e_s": [1.0], "finish_s": [1.0]}
+    )
+    cdfs = latency_cdfs(requests, None)
+    assert set(cdfs["priority_class"]) == {ALL_CLASSES}
+    assert set(cdfs["metric"]) == {"ttft", "e2e"}
+
+
+def _session_rows() -> pd.DataFrame:
+    # turn 0: arrive 10, scheduled 11, first token 12, finish 15; tool wait to 18;
+    # turn 1: fan-out of two sub-calls arriving at 18.
+    return pd.DataFrame(
+        {
+            "session_id": [3, 3, 3, 4],
+            "turn": [0, 1, 1, 0],
+            "subcall": [-1, 0, 1, -1],
+            "arrival_s": [10.0, 18.0, 18.0, 0.0],
+            "first_scheduled_s": [11.0, 18.5, 19.0, 0.0],
+            "first_token_s": [12.0, 19.0, 20.0, 1.0],
+            "finish_s": [15.0, 21.0, math.nan, 2.0],
+        }
+    )
+
+
+def test_session_waterfall_phases() -> None:
+    seg = session_waterfall(_session_rows(), 3)
+    rows = [tuple(r) for r in seg[["label", "phase", "start_s", "duration_s"]].to_numpy()]
+    assert rows == [
+        ("turn 0", "queueing", 0.0, 1.0),
+        ("turn 0", "prefill", 1.0, 1.0),
+        ("turn 0", "decode", 2.0, 3.0),
+        ("turn 0", "tool wait", 5.0, 3.0),
+        ("turn 1.0", "queueing", 8.0, 0.5),
+        ("turn 1.0", "prefill", 8.5, 0.5),
+        ("turn 1.0", "decode", 9.0, 2.0),
+        ("turn 1.1", "queueing", 8.0, 1.0),
+        ("turn 1.1", "prefill", 9.0, 1.0),
+    ]  # unfinished sub-call: no decode bar; last turn: no tool wait
+
+
+def test_session_waterfall_labels_preempted_requests() -> None:
+    rows = _session_rows().assign(num_preemptions=[0, 2, 0, 0])
+    labels = list(dict.fromkeys(session_waterfall(rows, 3)["label"]))
+    assert labels == ["turn 0", "turn 1.0 (preempted 2x)", "turn 1.1"]
+
+
+def test_session_waterfall_unknown_session_is_empty() -> None:
+    assert session_waterfall(_session_rows(), 99).empty
+
+
+def test_knobs_of_a_shipped_scenario_and_overrides() -> None:
+    import yaml
+
+    text = (SCENARIO_DIR / "coding-agents-8b-h100.yaml").read_text()
+    document = yaml.safe_load(text)
+    knobs = {k.path: k for k in knobs_for(document)}
+    assert knobs["workload.sessions"].default == 500
+    assert knobs["workload.session_arrival.rate_per_s"].default == 0.2
+    assert knobs["engine.scheduling_policy"].default == "fcfs"  # engine default, not in file
+    values = {path: k.default for path, k in knobs.items()}
+    assert build_overrides(list(knobs.values()), values) == []
+    values |= {
+        "workload.sessions": 10,
+        "engine.enable_prefix_caching": False,
+        "model": "Qwen2.5-7B",
+    }
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == [
+        'model="Qwen2.5-7B"',
+        "engine.enable_prefix_caching=false",
+        "workload.sessions=10",
+    ]
+    scenario = scenario_from(document, overrides, "x.yaml", SCENARIO_DIR)
+    assert scenario.workload.sessions == 10 and not scenario.engine.enable_prefix_caching
+    assert document["workload"]["sessions"] == 500  # the raw document is left alone
+    assert question(text).startswith("How does one H100")
+
+
+def test_knobs_of_open_loop_and_burst() -> None:
+    open_loop = {"workload": {"kind": "open_loop", "arrival": {"kind": "poisson"}}}
+    assert {"workload.num_requests", "workload.arrival.rate_per_s"} <= {
+        k.path for k in knobs_for(open_loop)
+    }
+    burst = {"workload": {"kind": "agent_sessions", "session_arrival": {"kind": "burst"}}}
+    paths = {k.path for k in knobs_for(burst)}
+    assert "workload.sessions" in paths
+    assert not any("rate_per_s" in p for p in paths)
+
+
+def test_knobs_skip_values_of_the_wrong_type() -> None:
+    document = {"engine": {"block_size": "big", "max_num_seqs": "many", "watermark": 0.1}}
+    paths = {k.path for k in knobs_for(document)}
+    assert "engine.max_num_seqs" not in paths and "engine.block_size" in paths
+    block_size = next(k for k in knobs_for(document) if k.path == "engine.block_size")
+    assert block_size.options[0] == "big"  # kept as an option, so the file's value shows
+
+
+def test_scenario_from_reports_validation_errors() -> None:
+    with pytest.raises(KvsimConfigError, match=r"engine\.max_num_seqs"):
+        scenario_from(
+            {"name": "x", "model": "Llama-3.1-8B", "hardware": "H100-SXM-80GB"},
+            ["engine.max_num_seqs=0"],
+            "x.yaml",
+            None,
+        )
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(True, "true"), (0.5, "0.5"), (7, "7"), ("a: b", '"a: b"')]
+)
+def test_yaml_value(value, text: str) -> None:
+    assert yaml_value(value) == text
+
+
+SUMMARY = {
+    "metrics": {
+        "vllm:time_to_first_token_seconds": {"p50": 0.1, "p90": 0.2, "p99": 0.5, "mean": 0.15},
+        "vllm:kv_cache_usage_perc": {"mean": 0.5, "p95": 0.9, "peak": 1.0},
+        "prefix_cache_hit_rate": 0.25,
+        "by_priority_class": {
+            "a": {"count": 3, "ttft_s": {"p50": 0.1, "p99": 0.2}},
+            "b": {"count": 4, "ttft_s": {"p50": 0.3, "p99": 0.4}},
+        },
+    },
+    "slos": {"ttft_p99_s": {"target": 0.4, "value": 0.5, "pass": False}},
+}
+
+
+def test_tables_from_a_partial_summary() -> None:
+    latency = latency_frame(SUMMARY)
+    assert latency.loc[0, "p99 (ms)"] == 500.0
+    assert math.isnan(latency.loc[1, "p99 (ms)"])  # ITL absent
+    engine = dict(engine_frame(SUMMARY).to_numpy())
+    assert engine["KV cache usage mean / p95 / peak"] == "50.0% / 90.0% / 100.0%"
+    assert engine["prefix cache hit rate"] == "25.0%"
+    assert engine["TTFT p50 / p99 of b (4 requests)"] == "300.0 / 400.0 ms"
+    slos = slo_frame(SUMMARY)
+    assert slos.to_dict("records") == [
+        {"SLO": "ttft_p99_s", "target (ms)": 400.0, "p99 (ms)": 500.0, "verdict": "FAIL"}
+    ]
+
+
+def test_comparison_frame_in_percent() -> None:
+    frame = comparison_frame(
+        [
+            ComparisonRow("TTFT p50", "s", 1.1, 1.0),
+            ComparisonRow("preemptions", "", 3.0, 0.0),
+            ComparisonRow("ITL p50", "s", None, 1.0),
+        ]
+    )
+    errors = list(frame["relative error (%)"])
+    assert errors[0] == pytest.approx(10.0)
+    assert errors[1] == math.inf
+    assert errors[2] is None or math.isnan(errors[2])
+    assert list(frame["unit"]) == ["s", "-", "s"]
