@@ -280,8 +280,15 @@ def fit_cost_params(
     hardware: Hardware,
     tensor_parallel_size: int = 1,
     base: CostParams | None = None,
+    relative: bool = False,
+    weights: Sequence[float] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
+
+    With ``relative`` the squared *relative* error is minimised (each step weighted by one
+    over its duration), so millisecond decode steps count as much as long prefills; ITL and
+    TTFT percentiles are relative quantities. ``weights`` (one per step) scale each step's
+    squared error on top of that.
 
     Regresses duration minus the all-reduce transfer time on ``(linear_flop_s,
     attention_flop_s, byte_s, 1, R)`` from :meth:`CostModel.features`; efficiencies are the
@@ -297,6 +304,12 @@ def fit_cost_params(
         raise ValueError(f"{len(shapes)} shapes but {len(durations_s)} durations")
     base = base if base is not None else CostParams()
     probe = CostModel(model, hardware, tensor_parallel_size, base)
+    step_weights = [1.0] * len(shapes) if weights is None else [float(w) for w in weights]
+    if len(step_weights) != len(shapes):
+        raise ValueError(f"{len(shapes)} shapes but {len(step_weights)} weights")
+    used_weights = np.array(
+        [w for s, w in zip(shapes, step_weights, strict=True) if s.num_tokens > 0]
+    )
     used = [(s, float(d)) for s, d in zip(shapes, durations_s, strict=True) if s.num_tokens > 0]
     for i, (_, duration_s) in enumerate(used):
         if not duration_s > 0 or not np.isfinite(duration_s):
@@ -308,7 +321,11 @@ def fit_cost_params(
     # Only the all-reduce transfer is subtracted; its latency stays in, to land in the intercept.
     transfer_s = [probe.allreduce_time_s(s) - probe._allreduce_fixed_s for s, _ in used]
     target_s = measured_s - np.array(transfer_s)
-    lin, attn, byte, overhead_s, per_request_s = _nnls(x, target_s)
+    # Least squares weights rows by the square root of the wanted loss weight.
+    row_weights = np.sqrt(used_weights) / (measured_s if relative else 1.0)
+    lin, attn, byte, overhead_s, per_request_s = _nnls(
+        x * row_weights[:, None], target_s * row_weights
+    )
     fitted_fields = {
         "mode": "additive",
         "compute_efficiency": 1.0 / max(lin, _MIN_INVERSE_EFFICIENCY),

@@ -59,11 +59,24 @@ def robust_fit(
     them drag every coefficient. The share of steps dropped is reported as ``outlier_frac``.
     """
     keep = np.ones(len(shapes), dtype=bool)
+    # Decode-only steps outnumber prefill steps ~30 to 1 in agent traffic, but prefill steps
+    # set TTFT: each class gets half of the loss.
+    has_prefill = np.array([s.num_prefill_tokens > 0 for s in shapes])
     for _ in range(max_rounds):
         kept_shapes = [s for s, k in zip(shapes, keep, strict=True) if k]
         kept_durations = [d for d, k in zip(durations_s, keep, strict=True) if k]
+        kept_prefill = has_prefill[keep]
+        num_prefill = max(int(kept_prefill.sum()), 1)
+        num_decode = max(int((~kept_prefill).sum()), 1)
+        weights = np.where(kept_prefill, 0.5 / num_prefill, 0.5 / num_decode)
         params, fit = fit_cost_params(
-            kept_shapes, kept_durations, model, hardware, tensor_parallel_size
+            kept_shapes,
+            kept_durations,
+            model,
+            hardware,
+            tensor_parallel_size,
+            relative=True,
+            weights=weights,
         )
         cost = CostModel(model, hardware, tensor_parallel_size, params)
         predicted = np.array([cost.step_time_s(s) for s in shapes])

@@ -36,7 +36,7 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value * 1e3:,.1f} ms"
     if unit == "tok/s":
         return f"{value:,.1f} tok/s"
-    if unit == "" and 0 <= value <= 1 and not float(value).is_integer():
+    if unit == "frac":
         return f"{value * 100:.1f}%"
     return f"{value:,.4g}"
 

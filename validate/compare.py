@@ -12,7 +12,7 @@ from typing import Any
 
 from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
 
-# (label, path into summary["metrics"], unit)
+# (label, path into summary["metrics"], unit: "s", "tok/s", "frac" (a 0-1 share) or "" (count))
 COMPARED_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("TTFT p50", (TTFT, "p50"), "s"),
     ("TTFT p90", (TTFT, "p90"), "s"),
@@ -24,9 +24,9 @@ COMPARED_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
     ("queue time p50", (QUEUE, "p50"), "s"),
     ("output throughput", ("output_throughput_tok_s",), "tok/s"),
     ("preemptions", (PREEMPTIONS, "total"), ""),
-    ("prefix-cache hit rate", ("prefix_cache_hit_rate",), ""),
-    ("KV usage mean", (KV_USAGE, "mean"), ""),
-    ("KV usage peak", (KV_USAGE, "peak"), ""),
+    ("prefix-cache hit rate", ("prefix_cache_hit_rate",), "frac"),
+    ("KV usage mean", (KV_USAGE, "mean"), "frac"),
+    ("KV usage peak", (KV_USAGE, "peak"), "frac"),
 )
 
 

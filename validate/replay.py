@@ -178,25 +178,29 @@ def build_engine(scenario: Scenario, device: str, model: str) -> Any:
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
-def warm_up(engine: Any, scenario: Scenario) -> None:
-    """Run prefill chunks of every size class and decodes once, then forget the cache.
+def warm_up(engine: Any, scenario: Scenario) -> float:
+    """Run one step of every token count the scenario can schedule, then forget the cache.
 
-    The first pass over a new batch shape compiles kernels (hundreds of ms on CPU): without
-    this the replay's first requests would measure compilation, not serving.
+    vLLM's CPU GEMMs build and cache a kernel per batch size on first use (milliseconds
+    each), so the first replay after start-up would otherwise measure kernel creation:
+    measured without this, the first of three identical replays ran ~15% slower than the
+    other two. One prefill per token count 1..max_num_batched_tokens covers every shape a
+    step of the scenario can have (decode batches included).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    budget = scenario.engine.max_num_batched_tokens
-    max_len = min(scenario.engine.max_model_len - 8, budget)
-    sizes = sorted({max(1, max_len >> k) for k in range(0, 8)})
-    for i, size in enumerate(sizes):
-        params = SamplingParams(max_tokens=4, min_tokens=4, ignore_eos=True, detokenize=False)
-        prompt = [(17 * i + j) % 1000 + 10 for j in range(size)]
-        engine.add_request(f"warmup-{i}", TokensPrompt(prompt_token_ids=prompt), params)
-    while engine.has_unfinished_requests():
-        engine.step()
+    started = time.perf_counter()
+    budget = min(scenario.engine.max_num_batched_tokens, scenario.engine.max_model_len - 1)
+    params = SamplingParams(max_tokens=1, min_tokens=1, ignore_eos=True, detokenize=False)
+    for size in range(1, budget + 1):
+        # Distinct first tokens: no prefix hit shortens the step.
+        prompt = [10 + size % 997] + [(7 * size + j) % 1000 + 10 for j in range(size - 1)]
+        engine.add_request(f"warmup-{size}", TokensPrompt(prompt_token_ids=prompt), params)
+        while engine.has_unfinished_requests():
+            engine.step()
     engine.reset_prefix_cache()
+    return time.perf_counter() - started
 
 
 def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayResult:
