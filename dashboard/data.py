@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from sim.recorder import REQUEST_COLUMNS
+
 # Columns of steps.parquet the timelines plot.
 TIMELINE_COLUMNS = [
     "start_s",
@@ -25,25 +27,7 @@ TIMELINE_COLUMNS = [
     "num_swapped_in_blocks",
 ]
 # Columns of requests.parquet kept in memory (everything but the per-token times).
-REQUEST_VIEW_COLUMNS = [
-    "request_id",
-    "session_id",
-    "turn",
-    "subcall",
-    "priority_class",
-    "priority",
-    "arrival_s",
-    "first_scheduled_s",
-    "first_token_s",
-    "finish_s",
-    "prompt_tokens",
-    "output_tokens",
-    "cached_tokens",
-    "num_preemptions",
-    "ttft_s",
-    "e2e_s",
-    "queue_s",
-]
+REQUEST_VIEW_COLUMNS = [c for c in REQUEST_COLUMNS if c != "token_times_s"]
 MAX_TIMELINE_POINTS = 5000
 MAX_CDF_POINTS = 2000
 ALL_CLASSES = "all requests"

@@ -37,7 +37,7 @@ from dashboard.data import (
     every_kth,
     latency_cdfs,
 )
-from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY
+from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
 
 RUNS_DIR_ENV = "KVSIM_RUNS_DIR"
 BLOCK_MAP = "block_map.npz"
@@ -98,11 +98,7 @@ def _read_files(path: Path) -> tuple[dict[str, Any], pa.Table, pd.DataFrame, str
     the timelines plot are read, and per-token times stay in Arrow's flat layout (pandas
     would make one array object per request).
     """
-    if not path.is_dir():
-        raise ValueError(f"{path} is not a run directory")
-    missing = [f for f in (SUMMARY, REQUESTS, STEPS) if not (path / f).is_file()]
-    if missing:
-        raise ValueError(f"{path} is not a complete run directory: missing {', '.join(missing)}")
+    check_run_dir(path)
     try:
         summary = json.loads((path / SUMMARY).read_text())
         requests = pq.read_table(path / REQUESTS)

@@ -80,14 +80,19 @@ def write_run(
     return out_dir
 
 
-def load_run(path: str | Path) -> RunData:
-    """Read a run directory; a missing or unreadable file raises ValueError with the reason."""
-    path = Path(path)
+def check_run_dir(path: Path) -> None:
+    """Raise ValueError, with the reason, unless ``path`` holds a complete run's files."""
     if not path.is_dir():
         raise ValueError(f"{path} is not a run directory")
     missing = [f for f in (SUMMARY, REQUESTS, STEPS) if not (path / f).is_file()]
     if missing:
         raise ValueError(f"{path} is not a complete run directory: missing {', '.join(missing)}")
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read a run directory; a missing or unreadable file raises ValueError with the reason."""
+    path = Path(path)
+    check_run_dir(path)
     try:
         summary = json.loads((path / SUMMARY).read_text())
         requests = pd.read_parquet(path / REQUESTS)

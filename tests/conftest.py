@@ -1,11 +1,11 @@
-"""Shared pytest hooks: print what the vLLM conformance suite checked."""
+"""Shared pytest hooks: print what the vLLM conformance suite and the validation checked."""
 
 from __future__ import annotations
 
 import sys
 
 
-def pytest_terminal_summary(terminalreporter) -> None:
+def _print_conformance(terminalreporter) -> None:
     module = sys.modules.get("tests.validate.test_conformance")
     stats = getattr(module, "STATS", None)
     if not stats or not stats["streams"]:
@@ -17,3 +17,29 @@ def pytest_terminal_summary(terminalreporter) -> None:
         f"{stats['priority']} priority, {stats['caching']} with prefix caching, "
         f"{stats['divergences']} divergences"
     )
+
+
+def _print_validation(terminalreporter) -> None:
+    module = sys.modules.get("tests.validate.test_validation_bound")
+    report = getattr(module, "REPORT", None)
+    if not report:
+        return
+    fit = report.get("fit", {})
+    terminalreporter.write_line(
+        f"kvsim vs vLLM {report['vllm_version']} on this machine, scenario {report['scenario']} "
+        f"(profile fitted on the calibration scenarios only: r2 {fit.get('r2', float('nan')):.3f}, "
+        f"{fit.get('outlier_frac', 0) * 100:.1f}% stalled steps dropped):"
+    )
+    for row in report["metrics"]:
+        err = row["relative_error"]
+        value, reference = row["value"], row["reference"]
+        terminalreporter.write_line(
+            f"  {row['metric']:<24} kvsim {value if value is None else f'{value:.6g}':<12} "
+            f"vLLM {reference if reference is None else f'{reference:.6g}':<12} "
+            f"error {'-' if err is None else f'{err * 100:+.1f}%'}"
+        )
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    _print_conformance(terminalreporter)
+    _print_validation(terminalreporter)
