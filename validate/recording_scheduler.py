@@ -10,7 +10,6 @@ which the replay uses.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -19,9 +18,8 @@ from vllm.v1.core.sched.scheduler import Scheduler
 
 @dataclass
 class StepBatch:
-    """What vLLM's scheduler decided in one step (time in ``time.monotonic()`` seconds)."""
+    """What vLLM's scheduler decided in one step."""
 
-    monotonic_s: float
     num_prefill_tokens: int = 0
     num_prefill_reqs: int = 0
     prefill_attention_pairs: float = 0.0
@@ -53,7 +51,7 @@ class RecordingScheduler(Scheduler):
         return output
 
     def _describe(self, output: Any, was_running: set[str]) -> StepBatch:
-        batch = StepBatch(monotonic_s=time.monotonic())
+        batch = StepBatch()
         for request_id, n in output.num_scheduled_tokens.items():
             request = self.requests[request_id]
             context = request.num_computed_tokens - n  # already advanced by schedule()
