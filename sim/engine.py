@@ -17,14 +17,14 @@ from sim.recorder import Recorder
 from sim.request import Request
 from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler
-from sim.workload.base import RequestMeta
+from sim.workload.base import RequestMeta, SinkBase
 
 
 class StepCost(Protocol):
     def step_time_s(self, shape: BatchShape) -> float: ...
 
 
-class Engine:
+class Engine(SinkBase):
     """Owns the scheduler and the clock; implements the workloads' ``RequestSink``."""
 
     def __init__(
@@ -34,26 +34,12 @@ class Engine:
         cost_model: StepCost,
         recorder: Recorder,
     ) -> None:
-        self._env = env
+        super().__init__(env, scheduler.config.block_size, scheduler.max_model_len)
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.recorder = recorder
         self._done: dict[str, simpy.Event] = {}
-        self._wakeup: simpy.Event | None = None
         self.process = env.process(self._run())
-
-    # -- RequestSink --------------------------------------------------------------------------
-    @property
-    def env(self) -> simpy.Environment:
-        return self._env
-
-    @property
-    def block_size(self) -> int:
-        return self.scheduler.config.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.scheduler.max_model_len
 
     def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
         """Queue a request now; the returned event fires with it once it has finished."""
@@ -62,8 +48,7 @@ class Engine:
         self.recorder.on_arrival(request, meta, self._env.now)
         done = self._env.event()
         self._done[request.request_id] = done
-        if self._wakeup is not None and not self._wakeup.triggered:
-            self._wakeup.succeed()
+        self._wake()
         return done
 
     # -- the step loop ------------------------------------------------------------------------
@@ -75,9 +60,7 @@ class Engine:
         done = self._done
         while True:
             if not scheduler.has_unfinished_requests():
-                self._wakeup = env.event()
-                yield self._wakeup
-                self._wakeup = None
+                yield self._idle()
                 continue
             output = scheduler.schedule()
             # Sizing guarantees one max_model_len request fits, so an idle engine can always

@@ -27,7 +27,7 @@ from sim.recorder import Recorder
 from sim.request import Request
 from sim.scenario import Scenario
 from sim.workload import build_workload
-from sim.workload.base import RequestMeta
+from sim.workload.base import RequestMeta, SinkBase
 from validate.engine_args import engine_kwargs
 from validate.recording_scheduler import RecordingScheduler, StepBatch
 
@@ -43,14 +43,14 @@ class ReplayResult:
     num_gpu_blocks: int
 
 
-class VllmSink:
+class VllmSink(SinkBase):
     """The real engine as a workload's ``RequestSink``, plus the step loop that drives it."""
 
     def __init__(self, env: simpy.Environment, engine: Any, scenario: Scenario, recorder: Recorder):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        self._env = env
+        super().__init__(env, scenario.engine.block_size, scenario.engine.max_model_len)
         self.engine = engine
         self.scenario = scenario
         self.recorder = recorder
@@ -58,21 +58,8 @@ class VllmSink:
         self._delta = RequestOutputKind.DELTA
         self._live: dict[str, tuple[Request, simpy.Event]] = {}
         self._external_id: dict[str, str] = {}
-        self._wakeup: simpy.Event | None = None
         self.error: str | None = None
         self.process = env.process(self._run())
-
-    @property
-    def env(self) -> simpy.Environment:
-        return self._env
-
-    @property
-    def block_size(self) -> int:
-        return self.scenario.engine.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        return self.scenario.engine.max_model_len
 
     def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
         from vllm.inputs import TokensPrompt
@@ -93,8 +80,7 @@ class VllmSink:
         self.recorder.on_arrival(request, meta, self._env.now)
         done = self._env.event()
         self._live[request.request_id] = (request, done)
-        if self._wakeup is not None and not self._wakeup.triggered:
-            self._wakeup.succeed()
+        self._wake()
         return done
 
     def _run(self) -> Generator[simpy.Event, Any, None]:
@@ -103,9 +89,7 @@ class VllmSink:
         records: list[StepBatch] = RecordingScheduler.records
         while True:
             if not engine.has_unfinished_requests():
-                self._wakeup = env.event()
-                yield self._wakeup
-                self._wakeup = None
+                yield self._idle()
                 continue
             start_s = env.now
             started = time.perf_counter()

@@ -57,3 +57,35 @@ class Workload(Protocol):
     def expected_num_requests(self) -> int | None:
         """How many requests the workload will submit, if known (for progress bars)."""
         ...
+
+
+class SinkBase:
+    """What the simulated engine and the real-vLLM driver share as a ``RequestSink``: the
+    clock, the engine limits workloads read, and waking the idle step loop on an arrival."""
+
+    def __init__(self, env: simpy.Environment, block_size: int, max_model_len: int) -> None:
+        self._env = env
+        self._block_size = block_size
+        self._max_model_len = max_model_len
+        self._wakeup: simpy.Event | None = None
+
+    @property
+    def env(self) -> simpy.Environment:
+        return self._env
+
+    @property
+    def block_size(self) -> int:
+        return self._block_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    def _idle(self) -> simpy.Event:
+        """The event the step loop sleeps on until the next submit."""
+        self._wakeup = self._env.event()
+        return self._wakeup
+
+    def _wake(self) -> None:
+        if self._wakeup is not None and not self._wakeup.triggered:
+            self._wakeup.succeed()
