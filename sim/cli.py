@@ -48,6 +48,7 @@ def run(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Simulate a scenario; write its run directory and print the summary."""
+    from sim.config.sizing import kv_cache_summary
     from sim.cost_model import load_cost_params
     from sim.report import summary_table
     from sim.results import new_run_dir
@@ -86,6 +87,7 @@ def run(
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
     console.print(summary_table(result.summary))
+    console.print(f"KV cache: {kv_cache_summary(result.sizing)}", highlight=False)
     sim_s = result.summary["duration_s"]
     console.print(
         f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "

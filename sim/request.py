@@ -33,10 +33,6 @@ class RequestStatus(enum.Enum):
     PREEMPTED = "preempted"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
 
-    @property
-    def is_finished(self) -> bool:
-        return self is RequestStatus.FINISHED_LENGTH_CAPPED
-
 
 class Request:
     """One generation request: a prompt and a planned number of output tokens.
