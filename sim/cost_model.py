@@ -16,7 +16,10 @@ for every scheduled request, partial prefill chunks included), per GPU of a ``tp
     allreduce_s  = 2 * layers * (allreduce_latency_s
                    + T * hidden * dtype_bytes * 2 * (tp - 1) / tp / link_bw)   if tp > 1
     step_s       = core_s + step_overhead_s + per_token_overhead_s * T
-                   + per_request_overhead_s * R + allreduce_s,   and 0 when T == 0.
+                   + per_request_overhead_s * R
+                   + prefill_step_overhead_s * [the step computes any prefill chunk]
+                   + idle_wakeup_s * [first step after the engine sat idle]
+                   + allreduce_s,   and 0 when T == 0.
 
 ``P_body`` is the active parameters without the embedding and lm_head matrices (the embedding
 lookup is a gather, free; the lm_head is priced per row). ``W_read`` is every weight byte except
@@ -28,6 +31,13 @@ in ``bytes``: a few MB per step against GBs of weights and KV.
 BatchShape only carries ``prefill_attention_pairs = sum c_i * (ctx_i + c_i / 2)``, so the prefill
 context is estimated as ``pairs / c_mean - num_prefill_tokens / 2`` with ``c_mean`` the mean
 chunk size: exact for one chunk or equal chunks. ``T`` new KV tokens are written.
+
+``prefill_step_overhead_s`` is paid once by a step with any prefill chunk, however many: queries
+longer than one token take the attention kernel's varlen path and the step builds prompt
+metadata (measured on vLLM-CPU: ~4 ms; three chunks in one step cost no more than one).
+``idle_wakeup_s`` prices the first step after the engine had nothing to do: threads, clocks and
+caches wake up (vLLM-CPU: ~1.6 ms; on a GPU the launch queue has drained). Both default to 0, so
+datasheet runs are unchanged; calibration fits them.
 
 Swap and CPU offload move ``bytes_per_block`` per block over PCIe at ``kv_transfer_efficiency``.
 """
@@ -78,6 +88,14 @@ class CostParams(BaseModel):
     )
     per_request_overhead_s: float = Field(
         1e-5, ge=0, description="Extra cost per scheduled request (input prep, sampling)."
+    )
+    prefill_step_overhead_s: float = Field(
+        0.0,
+        ge=0,
+        description="Extra fixed cost of a step that computes any prefill chunk.",
+    )
+    idle_wakeup_s: float = Field(
+        0.0, ge=0, description="Extra cost of the first step after the engine sat idle."
     )
     allreduce_latency_s: float = Field(
         1e-5, ge=0, description="Fixed latency of one tensor-parallel all-reduce."
@@ -167,11 +185,14 @@ class CostModel:
         self._fixed_s = params.step_overhead_s + self._allreduce_fixed_s
         self._per_token_s = params.per_token_overhead_s + self._allreduce_s_per_token
         self._per_request_s = params.per_request_overhead_s
+        self._prefill_step_s = params.prefill_step_overhead_s
+        self._idle_wakeup_s = params.idle_wakeup_s
         pcie_bw = hardware.pcie_bandwidth_bytes_per_s
         self._kv_transfer_bytes_per_s = pcie_bw * params.kv_transfer_efficiency
 
-    def step_time_s(self, shape: BatchShape) -> float:
-        """Seconds one engine step takes for this batch (0 for an empty batch)."""
+    def step_time_s(self, shape: BatchShape, after_idle: bool = False) -> float:
+        """Seconds one engine step takes for this batch (0 for an empty batch); ``after_idle``
+        when the engine had nothing to do just before it."""
         num_decode_reqs = shape.num_decode_reqs
         num_tokens = shape.num_prefill_tokens + num_decode_reqs
         if num_tokens == 0:
@@ -191,7 +212,12 @@ class CostModel:
         else:
             core_s = compute_s if compute_s > memory_s else memory_s
         return (
-            core_s + self._fixed_s + self._per_token_s * num_tokens + self._per_request_s * num_reqs
+            core_s
+            + self._fixed_s
+            + self._per_token_s * num_tokens
+            + self._per_request_s * num_reqs
+            + (self._prefill_step_s if shape.num_prefill_reqs else 0.0)
+            + (self._idle_wakeup_s if after_idle else 0.0)
         )
 
     def allreduce_time_s(self, shape: BatchShape) -> float:
@@ -201,19 +227,22 @@ class CostModel:
             return 0.0
         return self._allreduce_fixed_s + self._allreduce_s_per_token * num_tokens
 
-    def features(self, shape: BatchShape) -> tuple[float, ...]:
+    def features(self, shape: BatchShape, after_idle: bool = False) -> tuple[float, ...]:
         """Regressors of the additive form, at 100% of the datasheet; all 0 for an empty batch.
 
-        ``(linear_flop_s, attention_flop_s, byte_s, 1, T, R)``. In mode "additive"::
+        ``(linear_flop_s, attention_flop_s, byte_s, 1, T, R, has_prefill, after_idle)``. In mode
+        "additive"::
 
             step_s = linear_flop_s / compute_efficiency
                      + attention_flop_s / attention_compute_efficiency
                      + byte_s / bandwidth_efficiency + 1 * step_overhead_s
-                     + T * per_token_overhead_s + R * per_request_overhead_s + allreduce_s
+                     + T * per_token_overhead_s + R * per_request_overhead_s
+                     + has_prefill * prefill_step_overhead_s
+                     + after_idle * idle_wakeup_s + allreduce_s
         """
         num_tokens = shape.num_prefill_tokens + shape.num_decode_reqs
         if num_tokens == 0:
-            return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+            return (0.0,) * 8
         num_reqs = shape.num_prefill_reqs + shape.num_decode_reqs
         lin_token, lin_row, attn_pair, weight_s, kv_token = self._raw
         kv_tokens = shape.decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
@@ -224,6 +253,8 @@ class CostModel:
             1.0,
             float(num_tokens),
             float(num_reqs),
+            1.0 if shape.num_prefill_reqs else 0.0,
+            1.0 if after_idle else 0.0,
         )
 
     def prefill_time_s(self, num_tokens: int, context_tokens: int = 0) -> float:
@@ -268,7 +299,7 @@ def _prefill_context_tokens(shape: BatchShape) -> float:
 # Columns of features() that fit_cost_params regresses on. T is left out: the linear FLOP
 # term is a*T + b*R, so T and R together span it and a per-token overhead cannot be told
 # apart from compute efficiency; the fit absorbs it into compute_efficiency.
-_FIT_COLUMNS = (0, 1, 2, 3, 5)
+_FIT_COLUMNS = (0, 1, 2, 3, 5, 6, 7)
 # A zero coefficient means the term costs nothing measurable; cap the efficiency it maps to.
 _MIN_INVERSE_EFFICIENCY = 1e-6
 
@@ -282,48 +313,54 @@ def fit_cost_params(
     base: CostParams | None = None,
     relative: bool = False,
     weights: Sequence[float] | None = None,
+    after_idle: Sequence[bool] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
 
     With ``relative`` the squared *relative* error is minimised (each step weighted by one
     over its duration), so millisecond decode steps count as much as long prefills; ITL and
     TTFT percentiles are relative quantities. ``weights`` (one per step) scale each step's
-    squared error on top of that.
+    squared error on top of that. ``after_idle`` (one per step) marks the steps that followed
+    an idle engine; without it no step did and ``idle_wakeup_s`` comes out 0.
 
     Regresses duration minus the all-reduce transfer time on ``(linear_flop_s,
-    attention_flop_s, byte_s, 1, R)`` from :meth:`CostModel.features`; efficiencies are the
-    inverse coefficients. The additive form (compute + memory, not their max) is what a linear
-    fit can express. Not fitted: the all-reduce transfer (proportional to T like the linear
-    FLOPs) stays at the datasheet link bandwidth; ``per_token_overhead_s`` is 0 (see
-    ``_FIT_COLUMNS``); ``allreduce_latency_s`` is 0 because a fixed number of all-reduces per
-    step is folded into ``step_overhead_s``; ``kv_transfer_efficiency`` comes from ``base``.
-    Empty steps are skipped. Fit quality: r2, mape and max_abs_pct_error (in percent),
-    rmse_s, num_steps.
+    attention_flop_s, byte_s, 1, R, has_prefill, after_idle)`` from :meth:`CostModel.features`;
+    efficiencies are the inverse coefficients. The additive form (compute + memory, not their
+    max) is what a linear fit can express. Not fitted: the all-reduce transfer (proportional to
+    T like the linear FLOPs) stays at the datasheet link bandwidth; ``per_token_overhead_s`` is
+    0 (see ``_FIT_COLUMNS``); ``allreduce_latency_s`` is 0 because a fixed number of
+    all-reduces per step is folded into ``step_overhead_s``; ``kv_transfer_efficiency`` comes
+    from ``base``. Empty steps are skipped. Fit quality: r2, mape and max_abs_pct_error (in
+    percent), rmse_s, num_steps.
     """
-    if len(shapes) != len(durations_s):
-        raise ValueError(f"{len(shapes)} shapes but {len(durations_s)} durations")
+    num_steps = len(shapes)
+    for name, values in (
+        ("durations", durations_s),
+        ("weights", weights),
+        ("after_idle", after_idle),
+    ):
+        if values is not None and len(values) != num_steps:
+            raise ValueError(f"{num_steps} shapes but {len(values)} {name}")
     base = base if base is not None else CostParams()
     probe = CostModel(model, hardware, tensor_parallel_size, base)
-    step_weights = [1.0] * len(shapes) if weights is None else [float(w) for w in weights]
-    if len(step_weights) != len(shapes):
-        raise ValueError(f"{len(shapes)} shapes but {len(step_weights)} weights")
-    used_weights = np.array(
-        [w for s, w in zip(shapes, step_weights, strict=True) if s.num_tokens > 0]
-    )
-    used = [(s, float(d)) for s, d in zip(shapes, durations_s, strict=True) if s.num_tokens > 0]
-    for i, (_, duration_s) in enumerate(used):
+    idle = [False] * num_steps if after_idle is None else [bool(a) for a in after_idle]
+    step_weights = np.ones(num_steps) if weights is None else np.asarray(weights, dtype=float)
+    used_idx = [i for i, s in enumerate(shapes) if s.num_tokens > 0]
+    used = [(shapes[i], idle[i]) for i in used_idx]
+    measured_s = np.array([float(durations_s[i]) for i in used_idx])
+    used_weights = step_weights[used_idx]
+    for i, duration_s in zip(used_idx, measured_s, strict=True):
         if not duration_s > 0 or not np.isfinite(duration_s):
             raise ValueError(f"non-empty step {i} has duration_s={duration_s}; must be > 0")
     if len(used) < len(_FIT_COLUMNS):
         raise ValueError(f"{len(used)} non-empty steps cannot fit {len(_FIT_COLUMNS)} coefficients")
-    x = np.array([probe.features(s) for s, _ in used])[:, _FIT_COLUMNS]
-    measured_s = np.array([d for _, d in used])
+    x = np.array([probe.features(s, a) for s, a in used])[:, _FIT_COLUMNS]
     # Only the all-reduce transfer is subtracted; its latency stays in, to land in the intercept.
     transfer_s = [probe.allreduce_time_s(s) - probe._allreduce_fixed_s for s, _ in used]
     target_s = measured_s - np.array(transfer_s)
     # Least squares weights rows by the square root of the wanted loss weight.
     row_weights = np.sqrt(used_weights) / (measured_s if relative else 1.0)
-    lin, attn, byte, overhead_s, per_request_s = _nnls(
+    lin, attn, byte, overhead_s, per_request_s, prefill_step_s, wakeup_s = _nnls(
         x * row_weights[:, None], target_s * row_weights
     )
     fitted_fields = {
@@ -334,12 +371,14 @@ def fit_cost_params(
         "step_overhead_s": float(overhead_s),
         "per_token_overhead_s": 0.0,
         "per_request_overhead_s": float(per_request_s),
+        "prefill_step_overhead_s": float(prefill_step_s),
+        "idle_wakeup_s": float(wakeup_s),
         "allreduce_latency_s": 0.0,
     }
     # model_validate, not model_copy: the fitted values get the same checks as user input.
     params = CostParams.model_validate(base.model_dump() | fitted_fields)
     fitted = CostModel(model, hardware, tensor_parallel_size, params)
-    predicted_s = np.array([fitted.step_time_s(s) for s, _ in used])
+    predicted_s = np.array([fitted.step_time_s(s, a) for s, a in used])
     residual_s = measured_s - predicted_s
     ss_res = float(residual_s @ residual_s)
     ss_tot = float(((measured_s - measured_s.mean()) ** 2).sum())

@@ -3,7 +3,8 @@
 Each step: the scheduler decides (no time passes), the cost model prices the batch, SimPy
 advances the clock by that duration, then the step's tokens are delivered (sampled tokens,
 finished requests, their completion events). When nothing is queued the engine sleeps
-until the next arrival. This module and the workload processes are the only simpy users.
+until the next arrival; the step that wakes it is priced as after idle (see CostModel).
+This module and the workload processes are the only simpy users.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from sim.workload.base import RequestMeta, SinkBase
 
 
 class StepCost(Protocol):
-    def step_time_s(self, shape: BatchShape) -> float: ...
+    def step_time_s(self, shape: BatchShape, after_idle: bool = False) -> float: ...
 
 
 class Engine(SinkBase):
@@ -58,16 +59,19 @@ class Engine(SinkBase):
         step_time_s = self.cost_model.step_time_s
         recorder = self.recorder
         done = self._done
+        after_idle = True  # the first step wakes the engine up
         while True:
             if not scheduler.has_unfinished_requests():
                 yield self._idle()
+                after_idle = True
                 continue
             output = scheduler.schedule()
             # Sizing guarantees one max_model_len request fits, so an idle engine can always
             # admit the head of the queue: an empty step with work queued is a bug.
             assert not output.is_empty, "scheduler made no progress with requests queued"
             start_s = env.now
-            duration_s = step_time_s(output.shape)
+            duration_s = step_time_s(output.shape, after_idle)
+            after_idle = False
             yield env.timeout(duration_s)
             update = scheduler.update_from_output(output)
             recorder.on_step(output, update, start_s, env.now, scheduler)

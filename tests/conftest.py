@@ -26,17 +26,19 @@ def _print_validation(terminalreporter) -> None:
         return
     fit = report.get("fit", {})
     terminalreporter.write_line(
-        f"kvsim vs vLLM {report['vllm_version']} on this machine, scenario {report['scenario']} "
+        f"kvsim vs vLLM {report['vllm_version']} on this machine, scenario {report['scenario']}, "
+        f"median of {len(report['real_runs'])} replays "
         f"(profile fitted on the calibration scenarios only: r2 {fit.get('r2', float('nan')):.3f}, "
         f"{fit.get('outlier_frac', 0) * 100:.1f}% stalled steps dropped):"
     )
     for row in report["metrics"]:
         err = row["relative_error"]
         value, reference = row["value"], row["reference"]
+        runs = ", ".join(f"{v:.6g}" for v in row["reference_runs"])
         terminalreporter.write_line(
             f"  {row['metric']:<24} kvsim {value if value is None else f'{value:.6g}':<12} "
             f"vLLM {reference if reference is None else f'{reference:.6g}':<12} "
-            f"error {'-' if err is None else f'{err * 100:+.1f}%'}"
+            f"error {'-' if err is None else f'{err * 100:+.1f}%':<8} runs [{runs}]"
         )
 
 

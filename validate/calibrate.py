@@ -20,8 +20,16 @@ from sim.scheduler.output import BatchShape
 OUTLIER_FACTOR = 2.0
 
 
-def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float]]:
-    """The batch composition and measured duration of every step of a run."""
+# A step that starts this much after the previous one ended followed an idle engine.
+IDLE_GAP_S = 1e-9
+
+
+def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float], list[bool]]:
+    """The batch composition, measured duration and after-idle flag of every step of a run.
+
+    Both engines start the next step the moment the previous one ends unless nothing is
+    queued, so a gap between steps means the engine sat idle (the first step always does).
+    """
     s = run.steps
     shapes = [
         BatchShape(
@@ -40,12 +48,17 @@ def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float]]:
             strict=True,
         )
     ]
-    return shapes, [float(d) for d in s["duration_s"]]
+    start_s = s["start_s"].to_numpy(dtype=float)
+    duration_s = s["duration_s"].to_numpy(dtype=float)
+    after_idle = np.ones(len(start_s), dtype=bool)
+    after_idle[1:] = start_s[1:] > start_s[:-1] + duration_s[:-1] + IDLE_GAP_S
+    return shapes, duration_s.tolist(), after_idle.tolist()
 
 
 def robust_fit(
     shapes: list[BatchShape],
     durations_s: list[float],
+    after_idle: list[bool],
     model: ModelGeometry,
     hardware: Hardware,
     tensor_parallel_size: int,
@@ -59,12 +72,14 @@ def robust_fit(
     them drag every coefficient. The share of steps dropped is reported as ``outlier_frac``.
     """
     keep = np.ones(len(shapes), dtype=bool)
+    idle = np.asarray(after_idle, dtype=bool)
     # Decode-only steps outnumber prefill steps ~30 to 1 in agent traffic, but prefill steps
     # set TTFT: each class gets half of the loss.
     has_prefill = np.array([s.num_prefill_tokens > 0 for s in shapes])
     for _ in range(max_rounds):
         kept_shapes = [s for s, k in zip(shapes, keep, strict=True) if k]
         kept_durations = [d for d, k in zip(durations_s, keep, strict=True) if k]
+        kept_idle = idle[keep].tolist()
         kept_prefill = has_prefill[keep]
         num_prefill = max(int(kept_prefill.sum()), 1)
         num_decode = max(int((~kept_prefill).sum()), 1)
@@ -77,9 +92,10 @@ def robust_fit(
             tensor_parallel_size,
             relative=True,
             weights=weights,
+            after_idle=kept_idle,
         )
         cost = CostModel(model, hardware, tensor_parallel_size, params)
-        predicted = np.array([cost.step_time_s(s) for s in shapes])
+        predicted = np.array([cost.step_time_s(s, a) for s, a in zip(shapes, idle, strict=True)])
         new_keep = np.asarray(durations_s) <= OUTLIER_FACTOR * predicted
         if (new_keep == keep).all():
             break
@@ -110,13 +126,15 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
         )
     shapes: list[BatchShape] = []
     durations: list[float] = []
+    after_idle: list[bool] = []
     for run in runs:
-        s, d = step_shapes(run)
+        s, d, a = step_shapes(run)
         shapes += s
         durations += d
+        after_idle += a
     base = scenarios[0]
     params, fit = robust_fit(
-        shapes, durations, base.model, base.hardware, base.engine.tensor_parallel_size
+        shapes, durations, after_idle, base.model, base.hardware, base.engine.tensor_parallel_size
     )
     return CalibrationProfile(
         params=params,

@@ -34,16 +34,25 @@ def _fmt(value: float | None, unit: str) -> str:
 
 
 def error_table(rows: list[ComparisonRow], title: str, value: str, reference: str) -> Table:
-    """metric | value | reference | relative error."""
+    """metric | value | reference | relative error, plus the spread of the reference's runs
+    (lowest and highest against their median) when it was measured more than once."""
+    repeated = any(r.reference_runs for r in rows)
     table = Table(title=title, title_justify="left")
-    for col in ("metric", value, reference, "rel. error"):
+    columns = ("metric", value, reference, "rel. error", *(("runs spread",) if repeated else ()))
+    for col in columns:
         table.add_column(col, justify="left" if col == "metric" else "right")
     for r in rows:
         err = r.relative_error
         err_text = "-" if err is None else f"{err * 100:+.1f}%"
         if err is not None and abs(err) > 0.10:
             err_text = f"[red]{err_text}[/red]"
-        table.add_row(r.metric, _fmt(r.value, r.unit), _fmt(r.reference, r.unit), err_text)
+        cells = [r.metric, _fmt(r.value, r.unit), _fmt(r.reference, r.unit), err_text]
+        if repeated:
+            spread = r.reference_spread
+            cells.append(
+                "-" if spread is None else f"{spread[0] * 100:+.1f}…{spread[1] * 100:+.1f}%"
+            )
+        table.add_row(*cells)
     return table
 
 
@@ -93,12 +102,29 @@ def validate_cmd(
     calibration: Annotated[
         Path | None, typer.Option(help="Profile from `kvsim calibrate` for the simulated side.")
     ] = None,
-    out: Annotated[Path | None, typer.Option(help="Folder for real/, sim/, report.json.")] = None,
+    out: Annotated[
+        Path | None,
+        typer.Option(help="Folder for real/ (real-1/... with --repeats), sim/, report.json."),
+    ] = None,
+    repeats: Annotated[
+        int,
+        typer.Option(
+            min=1,
+            help="Replay on vLLM this many times (fresh processes) and compare against the "
+            "median of the runs; the table then shows their spread.",
+        ),
+    ] = 1,
 ) -> None:
     """Run a scenario on real vLLM and in the simulator; print and save the error table."""
     from sim.cost_model import load_cost_params
     from sim.scenario import load_scenario
-    from validate.runner import EngineFailure, build_report, run_real, run_sim, write_report
+    from validate.runner import (
+        EngineFailure,
+        build_report,
+        run_real_repeated,
+        run_sim,
+        write_report,
+    )
 
     try:
         spec = load_scenario(scenario)
@@ -112,20 +138,31 @@ def validate_cmd(
                 "[yellow]no --calibration: the simulated side uses the datasheet roofline of "
                 f"{spec.hardware.name}; fit a profile with `kvsim calibrate` first[/yellow]"
             )
-        err_console.print(f"replaying {spec.name} on vLLM ({device}) in real time...")
-        real = run_real(spec, device, model, out_dir / "real")
+        reals = run_real_repeated(
+            spec,
+            device,
+            model,
+            out_dir,
+            repeats,
+            on_start=lambda i: err_console.print(
+                f"replaying {spec.name} on vLLM ({device}) in real time"
+                + (f" (run {i} of {repeats})..." if repeats > 1 else "...")
+            ),
+        )
         sim = run_sim(spec, profile, out_dir / "sim")
     except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
-    report = build_report(spec, sim, real, calibration)
+    report = build_report(spec, sim, reals, calibration)
     write_report(report, out_dir / "report.json")
-    _print_run_status(real)
+    for real in reals:
+        _print_run_status(real)
+    reference = "vLLM" if repeats == 1 else f"vLLM (median of {repeats})"
     console.print(
         error_table(
             report.rows,
             f"{spec.name}: kvsim vs vLLM {report.vllm_version} ({device})",
             "kvsim",
-            "vLLM",
+            reference,
         )
     )
     console.print(f"report written to {out_dir / 'report.json'}", highlight=False)

@@ -109,7 +109,7 @@ def test_equal_chunks_price_like_their_total_context():
 def test_empty_batch_costs_nothing():
     cost = make_cost_model(tp=1)
     assert cost.step_time_s(BatchShape()) == 0.0
-    assert cost.features(BatchShape()) == (0.0,) * 6
+    assert cost.features(BatchShape(), after_idle=True) == (0.0,) * 8
     assert CostModel(LLAMA_70B, H200, 4).step_time_s(BatchShape()) == 0.0
     assert cost.prefill_time_s(0) == 0.0
     assert cost.decode_time_s(0, 4096) == 0.0
@@ -144,11 +144,12 @@ def test_step_time_is_monotone_in_tokens_requests_and_context(mode, counts, extr
     assert after >= before
 
 
-@given(counts=shape_counts)
-def test_additive_mode_is_the_sum_of_features_and_never_below_roofline(counts):
+@given(counts=shape_counts, after_idle=st.booleans())
+def test_additive_mode_is_the_sum_of_features_and_never_below_roofline(counts, after_idle):
     shape = make_shape(*counts)
-    roofline = make_cost_model(mode="roofline", tp=1)
-    additive = make_cost_model(mode="additive", tp=1)
+    overheads = {"prefill_step_overhead_s": 3e-4, "idle_wakeup_s": 2e-3}
+    roofline = make_cost_model(mode="roofline", tp=1, **overheads)
+    additive = make_cost_model(mode="additive", tp=1, **overheads)
     weights = (
         1 / DEFAULTS.compute_efficiency,
         1 / DEFAULTS.attention_compute_efficiency,
@@ -156,10 +157,26 @@ def test_additive_mode_is_the_sum_of_features_and_never_below_roofline(counts):
         DEFAULTS.step_overhead_s,
         DEFAULTS.per_token_overhead_s,
         DEFAULTS.per_request_overhead_s,
+        3e-4,
+        2e-3,
     )
-    expected_s = sum(w * f for w, f in zip(weights, additive.features(shape), strict=True))
-    assert additive.step_time_s(shape) == pytest.approx(expected_s, rel=1e-12)
-    assert roofline.step_time_s(shape) <= additive.step_time_s(shape)
+    features = additive.features(shape, after_idle)
+    expected_s = sum(w * f for w, f in zip(weights, features, strict=True))
+    assert additive.step_time_s(shape, after_idle) == pytest.approx(expected_s, rel=1e-12)
+    assert roofline.step_time_s(shape, after_idle) <= additive.step_time_s(shape, after_idle)
+
+
+def test_prefill_steps_and_wake_ups_pay_their_overhead_once():
+    two_chunks, decodes = make_shape(512, 2, 8, 1024), make_shape(0, 0, 8, 1024)
+    cost = make_cost_model()
+    # Defaults: no such overheads, datasheet runs are unchanged.
+    assert cost.step_time_s(two_chunks, after_idle=True) == cost.step_time_s(two_chunks)
+    slower = make_cost_model(prefill_step_overhead_s=1e-3, idle_wakeup_s=5e-3)
+    assert slower.step_time_s(two_chunks) == pytest.approx(cost.step_time_s(two_chunks) + 1e-3)
+    assert slower.step_time_s(two_chunks, after_idle=True) == pytest.approx(
+        cost.step_time_s(two_chunks) + 6e-3
+    )
+    assert slower.step_time_s(decodes) == pytest.approx(cost.step_time_s(decodes))
 
 
 def test_allreduce_time_follows_the_ring_formula():
@@ -217,6 +234,8 @@ TRUE_PARAMS = CostParams(
     step_overhead_s=2e-3,
     per_token_overhead_s=0.0,
     per_request_overhead_s=2e-5,
+    prefill_step_overhead_s=4e-4,
+    idle_wakeup_s=3e-3,
     allreduce_latency_s=0.0,
 )
 
@@ -246,8 +265,9 @@ def synthetic_shapes(seed: int, num_steps: int) -> list[BatchShape]:
 def test_fit_recovers_additive_params_from_noise_free_steps():
     truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
     shapes = [*synthetic_shapes(seed=7, num_steps=300), BatchShape()]
-    durations_s = [truth.step_time_s(s) for s in shapes]
-    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, 1)
+    after_idle = [i % 7 == 0 for i in range(len(shapes))]
+    durations_s = [truth.step_time_s(s, a) for s, a in zip(shapes, after_idle, strict=True)]
+    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, 1, after_idle=after_idle)
     assert params.mode == "additive"
     assert quality["r2"] > 0.999
     assert quality["mape"] < 0.1
@@ -258,8 +278,18 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
         "bandwidth_efficiency",
         "step_overhead_s",
         "per_request_overhead_s",
+        "prefill_step_overhead_s",
+        "idle_wakeup_s",
     ):
         assert getattr(params, field) == pytest.approx(getattr(TRUE_PARAMS, field), rel=0.01)
+
+
+def test_fit_without_idle_flags_prices_no_wake_up():
+    truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
+    shapes = synthetic_shapes(seed=5, num_steps=120)
+    params, _ = fit_cost_params(shapes, [truth.step_time_s(s) for s in shapes], LLAMA_8B, H100)
+    assert params.idle_wakeup_s == 0.0
+    assert params.prefill_step_overhead_s == pytest.approx(4e-4, rel=0.01)
 
 
 def test_fit_folds_allreduce_latency_into_step_overhead():
@@ -294,6 +324,8 @@ def test_fit_rejects_bad_input():
         fit_cost_params(shapes[:3], [1e-2] * 3, LLAMA_8B, H100, 1)
     with pytest.raises(ValueError, match=r"duration_s=0\.0"):
         fit_cost_params(shapes, [0.0] * 10, LLAMA_8B, H100, 1)
+    with pytest.raises(ValueError, match="10 shapes but 2 after_idle"):
+        fit_cost_params(shapes, [1e-2] * 10, LLAMA_8B, H100, 1, after_idle=[True, False])
 
 
 def make_profile() -> CalibrationProfile:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cost_model import CostModel
+from sim.cost_model import CalibrationProfile, CostModel, CostParams
 from sim.results import load_run, write_run
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
@@ -45,6 +45,30 @@ def test_lightly_loaded_engine_ttft_is_the_modelled_prefill_and_nothing_queues()
     first_itl = req["token_times_s"].iloc[0][1] - req["token_times_s"].iloc[0][0]
     assert first_itl == pytest.approx(cost.decode_time_s(1, 512), rel=1e-12)
     assert result.summary["metrics"]["vllm:num_preemptions"]["total"] == 0
+
+
+def test_only_the_step_that_wakes_an_idle_engine_pays_the_wake_up() -> None:
+    scenario = parse_scenario(open_loop_scenario(), "theory")
+    params = CostParams(idle_wakeup_s=2e-3, prefill_step_overhead_s=1e-3)
+    profile = CalibrationProfile(
+        params=params,
+        hardware="h",
+        model="m",
+        vllm_version="v",
+        fit={},
+        num_steps=0,
+        created_by="test",
+    )
+    req = simulate(scenario, profile).requests
+    cost = CostModel(scenario.model, scenario.hardware, 1, params)
+    # Every request arrives at an idle engine: its prefill step wakes it, its decodes do not.
+    prefill_s = cost.prefill_time_s(512)
+    assert prefill_s == pytest.approx(
+        CostModel(scenario.model, scenario.hardware, 1).prefill_time_s(512) + 1e-3
+    )
+    assert req["ttft_s"].to_numpy() == pytest.approx(prefill_s + 2e-3, rel=1e-12)
+    first_itl = req["token_times_s"].iloc[0][1] - req["token_times_s"].iloc[0][0]
+    assert first_itl == pytest.approx(cost.decode_time_s(1, 512), rel=1e-12)
 
 
 def test_workload_that_always_fits_never_preempts() -> None:

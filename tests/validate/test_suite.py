@@ -1,0 +1,53 @@
+"""The interleaved calibrate-and-validate protocol, with the real engine stood in for by the
+simulator priced by known parameters (the replays themselves are tested with vLLM elsewhere)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from sim.results import RunData
+from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
+from tests.validate.fake_vllm import TRUTH, fake_replay
+from validate import suite
+
+
+def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    order: list[str] = []
+
+    def fake_real(scenario: Scenario, device: str, model: str | None, out_dir: Path) -> RunData:
+        order.append(f"{scenario.name} -> {out_dir.relative_to(tmp_path / 'suite')}")
+        return fake_replay(scenario, out_dir)
+
+    monkeypatch.setattr(suite, "run_real", fake_real)
+    calibration = [
+        load_scenario(SCENARIO_DIR / "calibration" / f"{n}.yaml")
+        for n in ("prefill-sweep", "agentic-contexts")
+    ]
+    validation = [load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")]
+    result = suite.run_suite(calibration, validation, tmp_path / "suite")
+    assert order == [
+        "cal-prefill-sweep -> cal-prefill-sweep",
+        "val-agentic-multiturn -> val-agentic-multiturn/real-1",
+        "cal-agentic-contexts -> cal-agentic-contexts",
+        "val-agentic-multiturn -> val-agentic-multiturn/real-2",
+    ]
+    assert (tmp_path / "suite" / suite.PROFILE_NAME).is_file()
+    assert result.profile.params.idle_wakeup_s == pytest.approx(TRUTH.idle_wakeup_s, rel=0.02)
+    report = result.reports["val-agentic-multiturn"]
+    assert len(report.real_runs) == 2
+    rows = {r.metric: r for r in report.rows}
+    for metric in ("TTFT p50", "ITL p50", "E2E p50", "output throughput", "preemptions"):
+        assert abs(rows[metric].relative_error) < 0.01, rows[metric]
+        assert len(rows[metric].reference_runs) == 2
+
+
+def test_suite_refuses_an_empty_side_or_a_reused_name(tmp_path: Path) -> None:
+    scenario = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
+    with pytest.raises(ValueError, match="at least one calibration"):
+        suite.run_suite([], [scenario], tmp_path / "a")
+    with pytest.raises(ValueError, match="names must differ"):
+        suite.run_suite([scenario], [scenario, scenario], tmp_path / "b")
