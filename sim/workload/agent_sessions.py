@@ -13,7 +13,7 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
@@ -27,7 +27,7 @@ from sim.workload.distributions import (
     LogNormalLength,
     PoissonArrivals,
     PriorityClass,
-    check_priority_classes,
+    PriorityClasses,
     sample_priority_classes,
     stash,
     stashed,
@@ -88,7 +88,7 @@ class AgentSessionsWorkload(BaseModel):
         description="Sim time between a turn's last token and the next turn's submission.",
     )
     fanout: FanoutConfig | None = Field(None, description="Sub-agent fan-out; None: never.")
-    priority_classes: list[PriorityClass] = Field(
+    priority_classes: PriorityClasses = Field(
         list(DEFAULT_PRIORITY_CLASSES), description="Traffic classes; each session draws one."
     )
     max_context_tokens: int | None = Field(
@@ -100,12 +100,6 @@ class AgentSessionsWorkload(BaseModel):
     vocab_size: int = Field(
         DEFAULT_VOCAB_SIZE, gt=MIN_TOKEN_ID, description="Token ids are drawn below this."
     )
-
-    @field_validator("priority_classes")
-    @classmethod
-    def _check_classes(cls, classes: list[PriorityClass]) -> list[PriorityClass]:
-        check_priority_classes(classes)
-        return classes
 
     @model_validator(mode="after")
     def _check_context_cap(self) -> AgentSessionsWorkload:

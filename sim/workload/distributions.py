@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 # z-score of the 95th percentile of a standard normal: p95 = median * exp(1.645 * sigma).
 _Z95 = 1.6448536269514722
@@ -274,14 +274,19 @@ class PriorityClass(_Config):
 DEFAULT_PRIORITY_CLASSES = (PriorityClass(name="default"),)
 
 
-def check_priority_classes(classes: list[PriorityClass]) -> None:
-    """Raise ``ValueError`` unless ``classes`` is non-empty with unique names."""
+def check_priority_classes(classes: list[PriorityClass]) -> list[PriorityClass]:
+    """``classes`` unchanged; ``ValueError`` unless it is non-empty with unique names."""
     if not classes:
         raise ValueError("priority_classes is empty; give at least one class")
     names = [c.name for c in classes]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
         raise ValueError(f"priority_classes: duplicate names {duplicates}")
+    return classes
+
+
+# The traffic classes of a workload, checked wherever a workload declares them.
+PriorityClasses = Annotated[list[PriorityClass], AfterValidator(check_priority_classes)]
 
 
 def sample_priority_classes(

@@ -6,7 +6,7 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field
 
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
@@ -16,8 +16,7 @@ from sim.workload.distributions import (
     FixedLength,
     LengthDist,
     PoissonArrivals,
-    PriorityClass,
-    check_priority_classes,
+    PriorityClasses,
     sample_priority_classes,
 )
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
@@ -48,18 +47,12 @@ class OpenLoopWorkload(BaseModel):
     shared_prefix_tokens: int = Field(
         0, ge=0, description="Tokens of a prefix common to every prompt (a system prompt)."
     )
-    priority_classes: list[PriorityClass] = Field(
+    priority_classes: PriorityClasses = Field(
         list(DEFAULT_PRIORITY_CLASSES), description="Traffic classes; each request draws one."
     )
     vocab_size: int = Field(
         DEFAULT_VOCAB_SIZE, gt=MIN_TOKEN_ID, description="Token ids are drawn below this."
     )
-
-    @field_validator("priority_classes")
-    @classmethod
-    def _check_classes(cls, classes: list[PriorityClass]) -> list[PriorityClass]:
-        check_priority_classes(classes)
-        return classes
 
     def expected_num_requests(self) -> int | None:
         """Exactly ``num_requests``."""
