@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds {args.rounds}: the suite needs at least one round")
     console = Console()
     calibration = [load_scenario(p) for p in sorted((SCENARIO_DIR / "calibration").glob("*.yaml"))]
     validation = [load_scenario(p) for p in sorted((SCENARIO_DIR / "validation").glob("*.yaml"))]

@@ -1,7 +1,7 @@
 """Calibrate and validate in one interleaved session: what CI and the validation benchmark run.
 
 A shared machine is not equally fast all the time: on the 2-core CI machines the same replay
-runs up to ~15% faster or slower from one minute to the next, and one vLLM process up to ~10%
+runs up to ~15% faster or slower from one minute to the next, and one vLLM process up to ~20%
 faster or slower than the next on the same steps. A profile fitted on replays from one
 stretch of time (or one process per batch shape) and checked against replays from another
 would measure that, not kvsim. So every round replays every calibration and every
