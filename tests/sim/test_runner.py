@@ -9,10 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from sim.cost_model import CalibrationProfile, CostModel, CostParams
+from sim.cost_model import CostModel, CostParams
 from sim.results import load_run, write_run
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
+from tests.profiles import profile_with
 
 
 def open_loop_scenario(**workload: object) -> dict:
@@ -50,15 +51,7 @@ def test_lightly_loaded_engine_ttft_is_the_modelled_prefill_and_nothing_queues()
 def test_only_the_step_that_wakes_an_idle_engine_pays_the_wake_up() -> None:
     scenario = parse_scenario(open_loop_scenario(), "theory")
     params = CostParams(idle_wakeup_s=2e-3, prefill_step_overhead_s=1e-3)
-    profile = CalibrationProfile(
-        params=params,
-        hardware="h",
-        model="m",
-        vllm_version="v",
-        fit={},
-        num_steps=0,
-        created_by="test",
-    )
+    profile = profile_with(params)
     req = simulate(scenario, profile).requests
     cost = CostModel(scenario.model, scenario.hardware, 1, params)
     # Every request arrives at an idle engine: its prefill step wakes it, its decodes do not.

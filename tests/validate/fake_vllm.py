@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sim.cost_model import CalibrationProfile, CostParams
+from sim.cost_model import CostParams
 from sim.results import RunData, load_run, write_run
 from sim.runner import simulate
 from sim.scenario import Scenario
+from tests.profiles import profile_with
 
 TRUTH = CostParams(
     mode="additive",
@@ -24,15 +25,7 @@ TRUTH = CostParams(
 
 def fake_replay(scenario: Scenario, out_dir: Path, source: str = "vllm") -> RunData:
     """Simulate ``scenario`` priced by TRUTH and write it as a run measured on vLLM-CPU."""
-    profile = CalibrationProfile(
-        params=TRUTH,
-        hardware="cpu",
-        model="tiny-llama",
-        vllm_version="0.32.0",
-        fit={},
-        num_steps=0,
-        created_by="test",
-    )
+    profile = profile_with(TRUTH, hardware="cpu", model="tiny-llama", vllm_version="0.32.0")
     result = simulate(scenario, profile)
     summary = {**result.summary, "source": source, "device": "cpu", "vllm_version": "0.32.0"}
     write_run(out_dir, summary, result.requests, result.steps, result.scenario_yaml)

@@ -1,0 +1,15 @@
+"""Calibration profiles for tests: known parameters wrapped in placeholder metadata."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sim.cost_model import CalibrationProfile, CostParams
+
+
+def profile_with(params: CostParams, **fields: Any) -> CalibrationProfile:
+    """A profile carrying ``params``; ``fields`` override the placeholder metadata."""
+    metadata: dict[str, Any] = dict(
+        hardware="h", model="m", vllm_version="v", fit={}, num_steps=0, created_by="test"
+    )
+    return CalibrationProfile(params=params, **{**metadata, **fields})
