@@ -19,6 +19,7 @@ for every scheduled request, partial prefill chunks included), per GPU of a ``tp
                    + per_request_overhead_s * R
                    + prefill_step_overhead_s * [the step computes any prefill chunk]
                    + idle_wakeup_s * [first step after the engine sat idle]
+                   + post_prefill_decode_s / n * [n-th decode-only step after a prefill step]
                    + allreduce_s,   and 0 when T == 0.
 
 ``P_body`` is the active parameters without the embedding and lm_head matrices (the embedding
@@ -36,8 +37,12 @@ chunk size: exact for one chunk or equal chunks. ``T`` new KV tokens are written
 its FLOPs and bytes (fitted on vLLM-CPU: 3.5-4.2 ms; there a 16-token prefill took 3.7 ms
 against 2.2 ms for one decode, and three new prompts in one step cost no more than one).
 ``idle_wakeup_s`` prices the first step after the engine had nothing to do: threads, clocks and
-caches wake up (vLLM-CPU: 1.6-2.1 ms; on a GPU the launch queue has drained). Both default to 0, so
-datasheet runs are unchanged; calibration fits them.
+caches wake up (vLLM-CPU: 1.6-2.1 ms; on a GPU the launch queue has drained).
+``post_prefill_decode_s`` prices the decode-only steps that follow a prefill step: its
+activations evicted weights and KV from the caches, which refill over the next steps. Measured
+on vLLM-CPU, whatever the decode batch size, the first such step took ~0.9 ms longer than
+steady decode, the second ~0.45 ms, the third ~0.3, the fourth ~0.2 and the tenth ~0.06: one
+over n. All three default to 0, so datasheet runs are unchanged; calibration fits them.
 
 Swap and CPU offload move ``bytes_per_block`` per block over PCIe at ``kv_transfer_efficiency``.
 """
@@ -96,6 +101,12 @@ class CostParams(BaseModel):
     )
     idle_wakeup_s: float = Field(
         0.0, ge=0, description="Extra cost of the first step after the engine sat idle."
+    )
+    post_prefill_decode_s: float = Field(
+        0.0,
+        ge=0,
+        description="Extra cost of the first decode-only step after a step that computed a "
+        "prefill chunk; the n-th such step pays 1/n of it.",
     )
     allreduce_latency_s: float = Field(
         1e-5, ge=0, description="Fixed latency of one tensor-parallel all-reduce."
@@ -187,12 +198,16 @@ class CostModel:
         self._per_request_s = params.per_request_overhead_s
         self._prefill_step_s = params.prefill_step_overhead_s
         self._idle_wakeup_s = params.idle_wakeup_s
+        self._post_prefill_s = params.post_prefill_decode_s
         pcie_bw = hardware.pcie_bandwidth_bytes_per_s
         self._kv_transfer_bytes_per_s = pcie_bw * params.kv_transfer_efficiency
 
-    def step_time_s(self, shape: BatchShape, after_idle: bool = False) -> float:
+    def step_time_s(
+        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+    ) -> float:
         """Seconds one engine step takes for this batch (0 for an empty batch); ``after_idle``
-        when the engine had nothing to do just before it."""
+        when the engine had nothing to do just before it; ``steps_since_prefill`` as
+        :func:`steps_since_prefill` counts it (0 or less: no prefill step before it)."""
         num_decode_reqs = shape.num_decode_reqs
         num_tokens = shape.num_prefill_tokens + num_decode_reqs
         if num_tokens == 0:
@@ -218,6 +233,11 @@ class CostModel:
             + self._per_request_s * num_reqs
             + (self._prefill_step_s if shape.num_prefill_reqs else 0.0)
             + (self._idle_wakeup_s if after_idle else 0.0)
+            + (
+                self._post_prefill_s / steps_since_prefill
+                if steps_since_prefill > 0 and not shape.num_prefill_reqs
+                else 0.0
+            )
         )
 
     def allreduce_time_s(self, shape: BatchShape) -> float:
@@ -227,22 +247,26 @@ class CostModel:
             return 0.0
         return self._allreduce_fixed_s + self._allreduce_s_per_token * num_tokens
 
-    def features(self, shape: BatchShape, after_idle: bool = False) -> tuple[float, ...]:
+    def features(
+        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+    ) -> tuple[float, ...]:
         """Regressors of the additive form, at 100% of the datasheet; all 0 for an empty batch.
 
-        ``(linear_flop_s, attention_flop_s, byte_s, 1, T, R, has_prefill, after_idle)``. In mode
-        "additive"::
+        ``(linear_flop_s, attention_flop_s, byte_s, 1, T, R, has_prefill, after_idle,
+        post_prefill)`` with ``post_prefill = 1 / n`` for the n-th decode-only step after a
+        prefill step, else 0. In mode "additive"::
 
             step_s = linear_flop_s / compute_efficiency
                      + attention_flop_s / attention_compute_efficiency
                      + byte_s / bandwidth_efficiency + 1 * step_overhead_s
                      + T * per_token_overhead_s + R * per_request_overhead_s
                      + has_prefill * prefill_step_overhead_s
-                     + after_idle * idle_wakeup_s + allreduce_s
+                     + after_idle * idle_wakeup_s
+                     + post_prefill * post_prefill_decode_s + allreduce_s
         """
         num_tokens = shape.num_prefill_tokens + shape.num_decode_reqs
         if num_tokens == 0:
-            return (0.0,) * 8
+            return (0.0,) * 9
         num_reqs = shape.num_prefill_reqs + shape.num_decode_reqs
         lin_token, lin_row, attn_pair, weight_s, kv_token = self._raw
         kv_tokens = shape.decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
@@ -255,6 +279,9 @@ class CostModel:
             float(num_reqs),
             1.0 if shape.num_prefill_reqs else 0.0,
             1.0 if after_idle else 0.0,
+            1.0 / steps_since_prefill
+            if steps_since_prefill > 0 and not shape.num_prefill_reqs
+            else 0.0,
         )
 
     def prefill_time_s(self, num_tokens: int, context_tokens: int = 0) -> float:
@@ -286,6 +313,24 @@ class CostModel:
         return num_blocks * bytes_per_block / self._kv_transfer_bytes_per_s
 
 
+def steps_since_prefill(shapes: Sequence[BatchShape]) -> list[int]:
+    """For each step of one engine's run, in order: 0 if it computes a prefill chunk (or no
+    step before it did), else how many steps it is past the last one that did (1 = the next).
+
+    What the engine loop counts as it goes, for runs measured elsewhere. Idle time between
+    steps does not reset the count.
+    """
+    counts: list[int] = []
+    seen_prefill, since = False, 0
+    for shape in shapes:
+        if shape.num_prefill_reqs:
+            seen_prefill, since = True, 0
+        elif seen_prefill:
+            since += 1
+        counts.append(since)
+    return counts
+
+
 def _prefill_context_tokens(shape: BatchShape) -> float:
     """Context before the prefill chunks, from their attention pairs (see module docstring)."""
     num_prefill_tokens = shape.num_prefill_tokens
@@ -299,7 +344,7 @@ def _prefill_context_tokens(shape: BatchShape) -> float:
 # Columns of features() that fit_cost_params regresses on. T is left out: the linear FLOP
 # term is a*T + b*R, so T and R together span it and a per-token overhead cannot be told
 # apart from compute efficiency; the fit absorbs it into compute_efficiency.
-_FIT_COLUMNS = (0, 1, 2, 3, 5, 6, 7)
+_FIT_COLUMNS = (0, 1, 2, 3, 5, 6, 7, 8)
 # A zero coefficient means the term costs nothing measurable; cap the efficiency it maps to.
 _MIN_INVERSE_EFFICIENCY = 1e-6
 
@@ -314,6 +359,7 @@ def fit_cost_params(
     relative: bool = False,
     weights: Sequence[float] | None = None,
     after_idle: Sequence[bool] | None = None,
+    since_prefill: Sequence[int] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
 
@@ -322,31 +368,35 @@ def fit_cost_params(
     TTFT percentiles are relative quantities. ``weights`` (one per step) scale each step's
     squared error on top of that. ``after_idle`` (one per step) marks the steps that followed
     an idle engine; without it no step did and ``idle_wakeup_s`` comes out 0.
+    ``since_prefill`` (one per step, from :func:`steps_since_prefill` on each run) places the
+    decode steps after a prefill; without it ``post_prefill_decode_s`` comes out 0.
 
     Regresses duration minus the all-reduce transfer time on ``(linear_flop_s,
-    attention_flop_s, byte_s, 1, R, has_prefill, after_idle)`` from :meth:`CostModel.features`;
-    efficiencies are the inverse coefficients. The additive form (compute + memory, not their
-    max) is what a linear fit can express. Not fitted: the all-reduce transfer (proportional to
-    T like the linear FLOPs) stays at the datasheet link bandwidth; ``per_token_overhead_s`` is
-    0 (see ``_FIT_COLUMNS``); ``allreduce_latency_s`` is 0 because a fixed number of
-    all-reduces per step is folded into ``step_overhead_s``; ``kv_transfer_efficiency`` comes
-    from ``base``. Empty steps are skipped. Fit quality: r2, mape and max_abs_pct_error (in
-    percent), rmse_s, num_steps.
+    attention_flop_s, byte_s, 1, R, has_prefill, after_idle, post_prefill)`` from
+    :meth:`CostModel.features`; efficiencies are the inverse coefficients. The additive form
+    (compute + memory, not their max) is what a linear fit can express. Not fitted: the
+    all-reduce transfer (proportional to T like the linear FLOPs) stays at the datasheet link
+    bandwidth; ``per_token_overhead_s`` is 0 (see ``_FIT_COLUMNS``); ``allreduce_latency_s``
+    is 0 because a fixed number of all-reduces per step is folded into ``step_overhead_s``;
+    ``kv_transfer_efficiency`` comes from ``base``. Empty steps are skipped. Fit quality: r2,
+    mape and max_abs_pct_error (in percent), rmse_s, num_steps.
     """
     num_steps = len(shapes)
     for name, values in (
         ("durations", durations_s),
         ("weights", weights),
         ("after_idle", after_idle),
+        ("since_prefill", since_prefill),
     ):
         if values is not None and len(values) != num_steps:
             raise ValueError(f"{num_steps} shapes but {len(values)} {name}")
     base = base if base is not None else CostParams()
     probe = CostModel(model, hardware, tensor_parallel_size, base)
     idle = [False] * num_steps if after_idle is None else [bool(a) for a in after_idle]
+    since = [0] * num_steps if since_prefill is None else [int(n) for n in since_prefill]
     step_weights = np.ones(num_steps) if weights is None else np.asarray(weights, dtype=float)
     used_idx = [i for i, s in enumerate(shapes) if s.num_tokens > 0]
-    used = [(shapes[i], idle[i]) for i in used_idx]
+    used = [(shapes[i], idle[i], since[i]) for i in used_idx]
     measured_s = np.array([float(durations_s[i]) for i in used_idx])
     used_weights = step_weights[used_idx]
     for i, duration_s in zip(used_idx, measured_s, strict=True):
@@ -354,13 +404,13 @@ def fit_cost_params(
             raise ValueError(f"non-empty step {i} has duration_s={duration_s}; must be > 0")
     if len(used) < len(_FIT_COLUMNS):
         raise ValueError(f"{len(used)} non-empty steps cannot fit {len(_FIT_COLUMNS)} coefficients")
-    x = np.array([probe.features(s, a) for s, a in used])[:, _FIT_COLUMNS]
+    x = np.array([probe.features(*step) for step in used])[:, _FIT_COLUMNS]
     # Only the all-reduce transfer is subtracted; its latency stays in, to land in the intercept.
-    transfer_s = [probe.allreduce_time_s(s) - probe._allreduce_fixed_s for s, _ in used]
+    transfer_s = [probe.allreduce_time_s(s) - probe._allreduce_fixed_s for s, _, _ in used]
     target_s = measured_s - np.array(transfer_s)
     # Least squares weights rows by the square root of the wanted loss weight.
     row_weights = np.sqrt(used_weights) / (measured_s if relative else 1.0)
-    lin, attn, byte, overhead_s, per_request_s, prefill_step_s, wakeup_s = _nnls(
+    lin, attn, byte, overhead_s, per_request_s, prefill_step_s, wakeup_s, post_prefill_s = _nnls(
         x * row_weights[:, None], target_s * row_weights
     )
     fitted_fields = {
@@ -373,12 +423,13 @@ def fit_cost_params(
         "per_request_overhead_s": float(per_request_s),
         "prefill_step_overhead_s": float(prefill_step_s),
         "idle_wakeup_s": float(wakeup_s),
+        "post_prefill_decode_s": float(post_prefill_s),
         "allreduce_latency_s": 0.0,
     }
     # model_validate, not model_copy: the fitted values get the same checks as user input.
     params = CostParams.model_validate(base.model_dump() | fitted_fields)
     fitted = CostModel(model, hardware, tensor_parallel_size, params)
-    predicted_s = np.array([fitted.step_time_s(s, a) for s, a in used])
+    predicted_s = np.array([fitted.step_time_s(*step) for step in used])
     residual_s = measured_s - predicted_s
     ss_res = float(residual_s @ residual_s)
     ss_tot = float(((measured_s - measured_s.mean()) ** 2).sum())

@@ -22,7 +22,9 @@ from sim.workload.base import RequestMeta, SinkBase
 
 
 class StepCost(Protocol):
-    def step_time_s(self, shape: BatchShape, after_idle: bool = False) -> float: ...
+    def step_time_s(
+        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+    ) -> float: ...
 
 
 class Engine(SinkBase):
@@ -60,6 +62,7 @@ class Engine(SinkBase):
         recorder = self.recorder
         done = self._done
         after_idle = True  # the first step wakes the engine up
+        since_prefill = -1  # steps past the last prefill step; -1 before the first one
         while True:
             if not scheduler.has_unfinished_requests():
                 yield self._idle()
@@ -70,7 +73,11 @@ class Engine(SinkBase):
             # admit the head of the queue: an empty step with work queued is a bug.
             assert not output.is_empty, "scheduler made no progress with requests queued"
             start_s = env.now
-            duration_s = step_time_s(output.shape, after_idle)
+            if output.shape.num_prefill_reqs:
+                since_prefill = 0
+            elif since_prefill >= 0:
+                since_prefill += 1
+            duration_s = step_time_s(output.shape, after_idle, since_prefill)
             after_idle = False
             yield env.timeout(duration_s)
             update = scheduler.update_from_output(output)

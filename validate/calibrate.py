@@ -10,7 +10,13 @@ import yaml
 
 from sim.config.hardware import Hardware
 from sim.config.model import ModelGeometry
-from sim.cost_model import CalibrationProfile, CostModel, CostParams, fit_cost_params
+from sim.cost_model import (
+    CalibrationProfile,
+    CostModel,
+    CostParams,
+    fit_cost_params,
+    steps_since_prefill,
+)
 from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run
 from sim.scenario import parse_scenario
@@ -59,6 +65,7 @@ def robust_fit(
     shapes: list[BatchShape],
     durations_s: list[float],
     after_idle: list[bool],
+    since_prefill: list[int],
     model: ModelGeometry,
     hardware: Hardware,
     tensor_parallel_size: int,
@@ -73,6 +80,7 @@ def robust_fit(
     """
     keep = np.ones(len(shapes), dtype=bool)
     idle = np.asarray(after_idle, dtype=bool)
+    since = np.asarray(since_prefill, dtype=int)
     # Decode-only steps outnumber prefill steps ~30 to 1 in agent traffic, but prefill steps
     # set TTFT: each class gets half of the loss.
     has_prefill = np.array([s.num_prefill_tokens > 0 for s in shapes])
@@ -80,6 +88,7 @@ def robust_fit(
         kept_shapes = [s for s, k in zip(shapes, keep, strict=True) if k]
         kept_durations = [d for d, k in zip(durations_s, keep, strict=True) if k]
         kept_idle = idle[keep].tolist()
+        kept_since = since[keep].tolist()
         kept_prefill = has_prefill[keep]
         num_prefill = max(int(kept_prefill.sum()), 1)
         num_decode = max(int((~kept_prefill).sum()), 1)
@@ -93,9 +102,12 @@ def robust_fit(
             relative=True,
             weights=weights,
             after_idle=kept_idle,
+            since_prefill=kept_since,
         )
         cost = CostModel(model, hardware, tensor_parallel_size, params)
-        predicted = np.array([cost.step_time_s(s, a) for s, a in zip(shapes, idle, strict=True)])
+        predicted = np.array(
+            [cost.step_time_s(*step) for step in zip(shapes, idle, since, strict=True)]
+        )
         new_keep = np.asarray(durations_s) <= OUTLIER_FACTOR * predicted
         if (new_keep == keep).all():
             break
@@ -127,14 +139,22 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
     shapes: list[BatchShape] = []
     durations: list[float] = []
     after_idle: list[bool] = []
+    since_prefill: list[int] = []
     for run in runs:
         s, d, a = step_shapes(run)
         shapes += s
         durations += d
         after_idle += a
+        since_prefill += steps_since_prefill(s)
     base = scenarios[0]
     params, fit = robust_fit(
-        shapes, durations, after_idle, base.model, base.hardware, base.engine.tensor_parallel_size
+        shapes,
+        durations,
+        after_idle,
+        since_prefill,
+        base.model,
+        base.hardware,
+        base.engine.tensor_parallel_size,
     )
     return CalibrationProfile(
         params=params,

@@ -15,6 +15,7 @@ from sim.cost_model import (
     fit_cost_params,
     load_cost_params,
     save_profile,
+    steps_since_prefill,
 )
 from sim.errors import KvsimConfigError
 from sim.scheduler.output import BatchShape
@@ -109,7 +110,7 @@ def test_equal_chunks_price_like_their_total_context():
 def test_empty_batch_costs_nothing():
     cost = make_cost_model(tp=1)
     assert cost.step_time_s(BatchShape()) == 0.0
-    assert cost.features(BatchShape(), after_idle=True) == (0.0,) * 8
+    assert cost.features(BatchShape(), after_idle=True, steps_since_prefill=1) == (0.0,) * 9
     assert CostModel(LLAMA_70B, H200, 4).step_time_s(BatchShape()) == 0.0
     assert cost.prefill_time_s(0) == 0.0
     assert cost.decode_time_s(0, 4096) == 0.0
@@ -144,10 +145,16 @@ def test_step_time_is_monotone_in_tokens_requests_and_context(mode, counts, extr
     assert after >= before
 
 
-@given(counts=shape_counts, after_idle=st.booleans())
-def test_additive_mode_is_the_sum_of_features_and_never_below_roofline(counts, after_idle):
+@given(counts=shape_counts, after_idle=st.booleans(), since_prefill=st.integers(-1, 50))
+def test_additive_mode_is_the_sum_of_features_and_never_below_roofline(
+    counts, after_idle, since_prefill
+):
     shape = make_shape(*counts)
-    overheads = {"prefill_step_overhead_s": 3e-4, "idle_wakeup_s": 2e-3}
+    overheads = {
+        "prefill_step_overhead_s": 3e-4,
+        "idle_wakeup_s": 2e-3,
+        "post_prefill_decode_s": 7e-4,
+    }
     roofline = make_cost_model(mode="roofline", tp=1, **overheads)
     additive = make_cost_model(mode="additive", tp=1, **overheads)
     weights = (
@@ -159,11 +166,13 @@ def test_additive_mode_is_the_sum_of_features_and_never_below_roofline(counts, a
         DEFAULTS.per_request_overhead_s,
         3e-4,
         2e-3,
+        7e-4,
     )
-    features = additive.features(shape, after_idle)
+    context = (after_idle, since_prefill)
+    features = additive.features(shape, *context)
     expected_s = sum(w * f for w, f in zip(weights, features, strict=True))
-    assert additive.step_time_s(shape, after_idle) == pytest.approx(expected_s, rel=1e-12)
-    assert roofline.step_time_s(shape, after_idle) <= additive.step_time_s(shape, after_idle)
+    assert additive.step_time_s(shape, *context) == pytest.approx(expected_s, rel=1e-12)
+    assert roofline.step_time_s(shape, *context) <= additive.step_time_s(shape, *context)
 
 
 def test_prefill_steps_and_wake_ups_pay_their_overhead_once():
@@ -177,6 +186,30 @@ def test_prefill_steps_and_wake_ups_pay_their_overhead_once():
         cost.step_time_s(two_chunks) + 6e-3
     )
     assert slower.step_time_s(decodes) == pytest.approx(cost.step_time_s(decodes))
+
+
+def test_decode_steps_after_a_prefill_pay_one_over_n_of_the_refill():
+    two_chunks, decodes = make_shape(512, 2, 8, 1024), make_shape(0, 0, 8, 1024)
+    cost = make_cost_model()
+    refill = make_cost_model(post_prefill_decode_s=9e-4)
+    assert cost.step_time_s(decodes, steps_since_prefill=1) == cost.step_time_s(decodes)
+    steady_s = refill.step_time_s(decodes)
+    for n in (1, 2, 3, 10):
+        assert refill.step_time_s(decodes, steps_since_prefill=n) == pytest.approx(
+            steady_s + 9e-4 / n
+        )
+    # Not before the first prefill, and never on a step that prefills itself.
+    assert refill.step_time_s(decodes, steps_since_prefill=0) == steady_s
+    assert refill.step_time_s(decodes, steps_since_prefill=-1) == steady_s
+    assert refill.step_time_s(two_chunks, steps_since_prefill=1) == cost.step_time_s(two_chunks)
+
+
+def test_steps_since_prefill_counts_from_the_last_prefill_step():
+    prefill, decode = make_shape(64, 1, 0, 0), make_shape(0, 0, 2, 100)
+    mixed = make_shape(32, 1, 2, 100)
+    shapes = [decode, prefill, decode, decode, mixed, decode, prefill, prefill, decode]
+    assert steps_since_prefill(shapes) == [0, 0, 1, 2, 0, 1, 0, 0, 1]
+    assert steps_since_prefill([]) == []
 
 
 def test_allreduce_time_follows_the_ring_formula():
@@ -236,16 +269,18 @@ TRUE_PARAMS = CostParams(
     per_request_overhead_s=2e-5,
     prefill_step_overhead_s=4e-4,
     idle_wakeup_s=3e-3,
+    post_prefill_decode_s=8e-4,
     allreduce_latency_s=0.0,
 )
 
 
 def synthetic_shapes(seed: int, num_steps: int) -> list[BatchShape]:
-    """Decode-only, prefill-only and mixed steps over a range of contexts."""
+    """Decode-only, prefill-only and mixed steps over a range of contexts; runs of 1 to ~10
+    decode-only steps between prefills."""
     rng = np.random.default_rng(seed)
     shapes = []
-    for i in range(num_steps):
-        kind = i % 3
+    for _ in range(num_steps):
+        kind = int(rng.choice(3, p=(0.6, 0.2, 0.2)))
         decode_reqs = int(rng.integers(1, 256)) if kind != 1 else 0
         prefill_reqs = int(rng.integers(1, 4)) if kind != 0 else 0
         shape = BatchShape(
@@ -266,8 +301,11 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
     truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
     shapes = [*synthetic_shapes(seed=7, num_steps=300), BatchShape()]
     after_idle = [i % 7 == 0 for i in range(len(shapes))]
-    durations_s = [truth.step_time_s(s, a) for s, a in zip(shapes, after_idle, strict=True)]
-    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, 1, after_idle=after_idle)
+    since = steps_since_prefill(shapes)
+    durations_s = [truth.step_time_s(*step) for step in zip(shapes, after_idle, since, strict=True)]
+    params, quality = fit_cost_params(
+        shapes, durations_s, LLAMA_8B, H100, 1, after_idle=after_idle, since_prefill=since
+    )
     assert params.mode == "additive"
     assert quality["r2"] > 0.999
     assert quality["mape"] < 0.1
@@ -280,15 +318,17 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
         "per_request_overhead_s",
         "prefill_step_overhead_s",
         "idle_wakeup_s",
+        "post_prefill_decode_s",
     ):
         assert getattr(params, field) == pytest.approx(getattr(TRUE_PARAMS, field), rel=0.01)
 
 
-def test_fit_without_idle_flags_prices_no_wake_up():
+def test_fit_without_idle_or_prefill_positions_prices_neither():
     truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
     shapes = synthetic_shapes(seed=5, num_steps=120)
     params, _ = fit_cost_params(shapes, [truth.step_time_s(s) for s in shapes], LLAMA_8B, H100)
     assert params.idle_wakeup_s == 0.0
+    assert params.post_prefill_decode_s == 0.0
     assert params.prefill_step_overhead_s == pytest.approx(4e-4, rel=0.01)
 
 
@@ -326,6 +366,8 @@ def test_fit_rejects_bad_input():
         fit_cost_params(shapes, [0.0] * 10, LLAMA_8B, H100, 1)
     with pytest.raises(ValueError, match="10 shapes but 2 after_idle"):
         fit_cost_params(shapes, [1e-2] * 10, LLAMA_8B, H100, 1, after_idle=[True, False])
+    with pytest.raises(ValueError, match="10 shapes but 1 since_prefill"):
+        fit_cost_params(shapes, [1e-2] * 10, LLAMA_8B, H100, 1, since_prefill=[1])
 
 
 def make_profile() -> CalibrationProfile:

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from sim.cost_model import CostModel, CostParams
@@ -62,6 +63,18 @@ def test_only_the_step_that_wakes_an_idle_engine_pays_the_wake_up() -> None:
     assert req["ttft_s"].to_numpy() == pytest.approx(prefill_s + 2e-3, rel=1e-12)
     first_itl = req["token_times_s"].iloc[0][1] - req["token_times_s"].iloc[0][0]
     assert first_itl == pytest.approx(cost.decode_time_s(1, 512), rel=1e-12)
+
+
+def test_decode_steps_after_a_prefill_pay_the_refill_one_over_n() -> None:
+    scenario = parse_scenario(open_loop_scenario(), "theory")
+    params = CostParams(post_prefill_decode_s=1e-3)
+    req = simulate(scenario, profile_with(params)).requests
+    cost = CostModel(scenario.model, scenario.hardware, 1, params)
+    # A lone request: its n-th decode step (ITL n) is the n-th step after its prefill.
+    itls = np.diff(req["token_times_s"].iloc[0])
+    expected = [cost.decode_time_s(1, 512 + n - 1) + 1e-3 / n for n in range(1, 16)]
+    assert itls == pytest.approx(expected, rel=1e-9)
+    assert req["ttft_s"].to_numpy() == pytest.approx(cost.prefill_time_s(512), rel=1e-12)
 
 
 def test_workload_that_always_fits_never_preempts() -> None:

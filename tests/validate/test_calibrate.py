@@ -47,6 +47,7 @@ def test_calibrate_recovers_the_parameters_that_priced_the_steps(tmp_path: Path)
         "step_overhead_s",
         "prefill_step_overhead_s",
         "idle_wakeup_s",
+        "post_prefill_decode_s",
     ):
         assert getattr(profile.params, field) == pytest.approx(getattr(TRUTH, field), rel=0.02)
 
