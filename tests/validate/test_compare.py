@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from sim.cli import app
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, SCENARIO_DIR, load_scenario
-from validate.commands import error_table
+from validate.commands import error_table, step_time_line
 from validate.compare import ComparisonRow, compare_summaries, compare_to_runs, rows_to_records
 from validate.vllm_bench import load_vllm_bench
 
@@ -83,6 +83,11 @@ def test_error_table_shows_the_spread_of_repeated_runs() -> None:
     assert rows_to_records(rows)[ttft_row]["reference_runs"] == [0.020, 0.010, 0.012]
     single = error_table(compare_to_runs(summary_with(0.013, 5), runs[:1]), "t", "a", "b")
     assert len(single.columns) == 4
+
+
+def test_step_time_line_lists_every_replay() -> None:
+    line = step_time_line([0.97, 1.104, None])
+    assert "0.97, 1.10, -" in line and "above 1" in line
 
 
 def write_bench(path: Path) -> Path:

@@ -42,6 +42,9 @@ def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
     assert result.profile.params.idle_wakeup_s == pytest.approx(TRUTH.idle_wakeup_s, rel=0.02)
     report = result.reports["val-agentic-multiturn"]
     assert len(report.real_runs) == 2
+    # The replays' steps were priced by TRUTH and the fit recovered it.
+    assert report.step_time_ratios == pytest.approx([1.0, 1.0], rel=0.02)
+    assert report.to_json()["step_time_vs_sim"] == report.step_time_ratios
     rows = {r.metric: r for r in report.rows}
     for metric in ("TTFT p50", "ITL p50", "E2E p50", "output throughput", "preemptions"):
         assert abs(rows[metric].relative_error) < 0.01, rows[metric]
