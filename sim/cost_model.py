@@ -34,10 +34,10 @@ context is estimated as ``pairs / c_mean - num_prefill_tokens / 2`` with ``c_mea
 chunk size: exact for one chunk or equal chunks. ``T`` new KV tokens are written.
 
 ``prefill_step_overhead_s`` is paid once by a step with any prefill chunk, however many, beyond
-its FLOPs and bytes (fitted on vLLM-CPU: 3.5-4.2 ms; there a 16-token prefill took 3.7 ms
+its FLOPs and bytes (fitted on vLLM-CPU: 3.0-4.2 ms; there a 16-token prefill took 3.7 ms
 against 2.2 ms for one decode, and three new prompts in one step cost no more than one).
 ``idle_wakeup_s`` prices the first step after the engine had nothing to do: threads, clocks and
-caches wake up (vLLM-CPU: 1.6-2.1 ms; on a GPU the launch queue has drained).
+caches wake up (vLLM-CPU: 1.2-2.1 ms; on a GPU the launch queue has drained).
 ``post_prefill_decode_s`` prices the decode-only steps that follow a prefill step: its
 activations evicted weights and KV from the caches, which refill over the next steps. Measured
 on vLLM-CPU, whatever the decode batch size, the first such step took ~0.9 ms longer than

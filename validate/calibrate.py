@@ -68,7 +68,7 @@ def step_time_ratio(run: RunData, scenario: Scenario, params: CostParams) -> flo
 
     It splits a validation error in two: a replay whose steps ran 8% slow will show latencies
     ~8% above kvsim's however exact the scheduling, and on a shared machine one process can
-    run ~20% slower than the next.
+    run up to ~20% slower than the next.
     """
     shapes, durations_s, after_idle = step_shapes(run)
     cost = CostModel(

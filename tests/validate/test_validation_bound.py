@@ -10,10 +10,10 @@ median: validate/suite.py).
 It fails when a replay does not complete, the fit is poor (r2 <= 0.8), or kvsim is more
 than the issue's 10% off the median replay on TTFT, ITL or E2E p50, output throughput,
 preemption count or prefix-cache hit rate. Six rounds, not three: one vLLM-CPU process on
-these shared 2-core machines can run the same steps ~15% slower than the next, evenly over
-its whole run, and the median of three such replays moved by up to ~8% from one session to
-the next. The table printed at the end of the test run shows every replay's value and how
-fast each replay ran its steps against the profile.
+these shared 2-core machines can run the same steps up to ~20% slower than the next, evenly
+over its whole run, and with three replays kvsim's error against their median moved by up
+to ~8 points from one session to the next. The table printed at the end of the test run
+shows every replay's value and how fast each replay ran its steps against the profile.
 """
 
 from __future__ import annotations
