@@ -25,6 +25,7 @@ from rich.console import Console
 
 from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
+from validate.compare import broken_bounds
 from validate.suite import DEFAULT_ROUNDS, run_suite
 
 
@@ -62,6 +63,12 @@ def main() -> None:
         runs = len(report.real_runs)
         console.print(error_table(report.rows, name, "kvsim", f"vLLM (median of {runs})"))
         console.print(step_time_line(report.step_time_ratios), highlight=False)
+        broken = broken_bounds(report.rows)
+        console.print(
+            f"10% bound against every median the replays are consistent with: "
+            f"{'broken on ' + ', '.join(broken) if broken else 'held'}",
+            highlight=False,
+        )
         (args.out / name / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
 
 

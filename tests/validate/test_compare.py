@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,14 @@ from sim.cli import app
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
-from validate.compare import ComparisonRow, compare_summaries, compare_to_runs, rows_to_records
+from validate.compare import (
+    ComparisonRow,
+    broken_bounds,
+    compare_summaries,
+    compare_to_runs,
+    median_interval,
+    rows_to_records,
+)
 from validate.vllm_bench import load_vllm_bench
 
 
@@ -83,6 +91,46 @@ def test_error_table_shows_the_spread_of_repeated_runs() -> None:
     assert rows_to_records(rows)[ttft_row]["reference_runs"] == [0.020, 0.010, 0.012]
     single = error_table(compare_to_runs(summary_with(0.013, 5), runs[:1]), "t", "a", "b")
     assert len(single.columns) == 4
+
+
+def test_median_interval_widens_to_the_wanted_confidence() -> None:
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)  # 75%
+    assert median_interval([6.0, 1.0, 5.0, 2.0, 4.0, 3.0]) == (2.0, 5.0)  # 78%
+    assert median_interval([float(x) for x in range(9, 0, -1)]) == (3.0, 7.0)  # 82%
+    assert median_interval([4.0]) == (4.0, 4.0)
+    assert median_interval([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], confidence=0.95) == (1.0, 6.0)
+    with pytest.raises(ValueError, match="at least one value"):
+        median_interval([])
+
+
+def test_a_bound_is_broken_only_off_every_plausible_median() -> None:
+    # ITL p50 of six agentic replays in one CI run (ms): the sample median is 2.1885.
+    runs = (2.107, 2.245, 2.176, 2.200, 2.595, 2.177)
+    row = ComparisonRow("ITL p50", "s", 2.407, statistics.median(runs), runs)
+    assert row.relative_error == pytest.approx(0.0998, abs=1e-4)
+    # Within 10% of the second highest replay (2.245 * 1.1 = 2.4695); from below, of the
+    # second lowest (2.176 * 0.9 = 1.9584).
+    assert not row.outside_bound(0.10)
+    assert ComparisonRow("ITL p50", "s", 2.47, 2.1885, runs).outside_bound(0.10)
+    assert not ComparisonRow("ITL p50", "s", 1.96, 2.1885, runs).outside_bound(0.10)
+    assert ComparisonRow("ITL p50", "s", 1.95, 2.1885, runs).outside_bound(0.10)
+    # One run is its own median; a count of 0 must be matched exactly; missing is outside.
+    assert ComparisonRow("TTFT p50", "s", 1.09, 1.0).outside_bound(0.10) is False
+    assert ComparisonRow("TTFT p50", "s", 1.11, 1.0).outside_bound(0.10) is True
+    assert not ComparisonRow("preemptions", "", 0.0, 0.0, (0.0, 0.0, 0.0)).outside_bound(0.1)
+    assert ComparisonRow("preemptions", "", 1.0, 0.0, (0.0, 0.0, 0.0)).outside_bound(0.1)
+    assert ComparisonRow("TTFT p50", "s", None, 1.0).outside_bound(0.10)
+
+
+def test_broken_bounds_names_only_bounded_metrics_outside_it() -> None:
+    rows = [
+        ComparisonRow("TTFT p50", "s", 1.25, 1.0, (0.9, 1.0, 1.1)),  # 1.1 * 1.1 = 1.21
+        ComparisonRow("E2E p50", "s", 1.2, 1.0, (0.9, 1.0, 1.1)),
+        ComparisonRow("ITL p99", "s", 9.0, 1.0, (0.9, 1.0, 1.1)),  # reported, not bounded
+        ComparisonRow("preemptions", "", 43.0, 43.0, (43.0, 43.0, 43.0)),
+    ]
+    assert broken_bounds(rows) == ["TTFT p50"]
+    assert broken_bounds(rows, bound=0.2) == []
 
 
 def test_step_time_line_lists_every_replay() -> None:
