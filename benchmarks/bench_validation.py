@@ -63,6 +63,8 @@ def main() -> None:
         runs = len(report.real_runs)
         console.print(error_table(report.rows, name, "kvsim", f"vLLM (median of {runs})"))
         console.print(step_time_line(report.step_time_ratios), highlight=False)
+        for warning in report.warnings:
+            console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         broken = broken_bounds(report.rows)
         console.print(
             f"10% bound against every median the replays are consistent with: "

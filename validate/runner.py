@@ -162,6 +162,8 @@ class ValidationReport:
     rows: list[ComparisonRow]
     # Per real run: median measured / simulated step time over its steps (see step_time_ratio).
     step_time_ratios: list[float | None]
+    # What the calibration did not cover (CalibrationProfile.budget_warning).
+    warnings: list[str]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -172,6 +174,7 @@ class ValidationReport:
             "calibration": self.calibration,
             "metrics": rows_to_records(self.rows),
             "step_time_vs_sim": self.step_time_ratios,
+            "warnings": self.warnings,
         }
 
 
@@ -180,7 +183,9 @@ def build_report(
 ) -> ValidationReport:
     """The simulation against the measured runs (against their median when repeated), with
     each run's step times against the cost parameters the simulation used."""
-    params = load_cost_params(calibration).params if calibration else CostParams()
+    profile = load_cost_params(calibration) if calibration else None
+    params = profile.params if profile else CostParams()
+    warning = profile.budget_warning(scenario.engine.max_num_batched_tokens) if profile else None
     return ValidationReport(
         scenario=scenario.name,
         sim_run=str(sim.path),
@@ -189,6 +194,7 @@ def build_report(
         calibration=str(calibration) if calibration else None,
         rows=compare_to_runs(sim.summary, [r.summary for r in reals]),
         step_time_ratios=[step_time_ratio(r, scenario, params) for r in reals],
+        warnings=[warning] if warning else [],
     )
 
 

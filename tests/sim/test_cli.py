@@ -90,3 +90,45 @@ def test_run_prints_summary_and_writes_run_dir(tmp_path: Path) -> None:
         "steps.parquet",
         "summary.json",
     ]
+
+
+def test_run_warns_when_the_profile_was_fitted_at_another_token_budget(tmp_path: Path) -> None:
+    from sim.cost_model import CalibrationProfile, CostParams, save_profile
+
+    profile = tmp_path / "profile.json"
+    save_profile(
+        CalibrationProfile(
+            params=CostParams(mode="additive"),
+            hardware="cpu",
+            model="tiny-llama",
+            vllm_version="0.32.0",
+            fit={"r2": 0.97},
+            num_steps=100,
+            created_by="test",
+            max_num_batched_tokens=[512],
+        ),
+        profile,
+    )
+    base = ["run", str(DEFAULT_SCENARIO), "--set", "workload.sessions=4", "--quiet"]
+    calibrated = ["--calibration", str(profile)]
+    code, output = run(
+        *base,
+        "--set",
+        "engine.max_num_batched_tokens=512",
+        *calibrated,
+        "--out",
+        str(tmp_path / "a"),
+    )
+    assert code == 0, output
+    assert "was not calibrated" not in output
+    code, output = run(
+        *base,
+        "--set",
+        "engine.max_num_batched_tokens=384",
+        *calibrated,
+        "--out",
+        str(tmp_path / "b"),
+    )
+    assert code == 0, output
+    assert "engine.max_num_batched_tokens=384 was not calibrated" in output
+    assert "used 512" in output and "run written to" in output

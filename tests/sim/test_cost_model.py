@@ -388,6 +388,16 @@ def test_profile_save_load_roundtrip(tmp_path):
     assert load_cost_params(path) == make_profile()
 
 
+def test_budget_warning_names_the_field_and_the_calibrated_budgets():
+    old = make_profile()  # written before profiles recorded their budgets: no claim either way
+    assert old.max_num_batched_tokens == [] and old.budget_warning(384) is None
+    profile = old.model_copy(update={"max_num_batched_tokens": [512, 2048]})
+    assert profile.budget_warning(512) is None and profile.budget_warning(2048) is None
+    warning = profile.budget_warning(384)
+    assert warning is not None
+    assert "engine.max_num_batched_tokens=384" in warning and "512, 2048" in warning
+
+
 def test_malformed_profile_names_file_and_field(tmp_path):
     raw = json.loads(make_profile().model_dump_json())
     path = tmp_path / "bad.json"

@@ -41,6 +41,9 @@ def test_calibrate_recovers_the_parameters_that_priced_the_steps(tmp_path: Path)
         "cpu",
         "0.32.0",
     )
+    # Every calibration scenario runs at one token budget; a run at another gets a warning.
+    assert profile.max_num_batched_tokens == [512]
+    assert profile.budget_warning(512) is None
     for field in (
         "compute_efficiency",
         "bandwidth_efficiency",

@@ -44,6 +44,7 @@ def test_calibrate_then_validate_against_vllm_on_this_machine(tmp_path: Path) ->
     report = result.reports[scenario.name]
     REPORT.update(report.to_json(), fit=result.profile.fit)
     assert result.profile.fit["r2"] > 0.8, result.profile.fit
+    assert not report.warnings, report.warnings  # calibrated at the validated token budget
     sim = result.sim_runs[scenario.name]
     for real in result.real_runs[scenario.name]:
         assert real.summary["complete"], real.summary.get("error")
