@@ -143,6 +143,9 @@ def validate_cmd(
         if out_dir.exists():
             raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites")
         out_dir.mkdir(parents=True)
+        warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
+        if warning:  # before the replay, which takes as long as the scenario
+            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         if profile is None:
             err_console.print(
                 "[yellow]no --calibration: the simulated side uses the datasheet roofline of "
@@ -176,8 +179,6 @@ def validate_cmd(
         )
     )
     console.print(step_time_line(report.step_time_ratios), highlight=False)
-    for warning in report.warnings:
-        err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
     console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
 
 

@@ -1,12 +1,17 @@
-"""The replay process's environment (no vLLM needed)."""
+"""The replay process's environment and the validation report (no vLLM needed)."""
 
 from __future__ import annotations
 
 import ctypes.util
+from pathlib import Path
 
 import pytest
 
-from validate.runner import worker_env
+from sim.cost_model import save_profile
+from sim.scenario import SCENARIO_DIR, load_scenario
+from tests.validate.fake_vllm import fake_replay
+from validate.calibrate import calibrate
+from validate.runner import build_report, run_sim, worker_env
 
 
 def test_cpu_replays_preload_tcmalloc_when_the_machine_has_it(
@@ -26,3 +31,17 @@ def test_cpu_replays_preload_tcmalloc_when_the_machine_has_it(
     monkeypatch.setattr(ctypes.util, "find_library", {}.get)
     monkeypatch.delenv("LD_PRELOAD")
     assert "LD_PRELOAD" not in worker_env("cpu")
+
+
+def test_the_report_names_a_token_budget_the_profile_was_not_fitted_at(tmp_path: Path) -> None:
+    calibration = load_scenario(SCENARIO_DIR / "calibration" / "prefill-sweep.yaml")
+    profile = calibrate([fake_replay(calibration, tmp_path / "cal").path])
+    save_profile(profile, tmp_path / "profile.json")
+    validated = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
+    for budget, warned in ((512, False), (384, True)):
+        spec = load_scenario(validated, [f"engine.max_num_batched_tokens={budget}"])
+        real = fake_replay(spec, tmp_path / f"real-{budget}")
+        sim = run_sim(spec, profile, tmp_path / f"sim-{budget}")
+        warnings = build_report(spec, sim, [real], tmp_path / "profile.json").to_json()["warnings"]
+        assert warnings == ([profile.budget_warning(budget)] if warned else [])
+    assert "engine.max_num_batched_tokens=384 was not calibrated" in warnings[0]
