@@ -8,7 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
+from sim.cost_model import CostParams, save_profile
 from sim.scenario import DEFAULT_SCENARIO
+from tests.profiles import profile_with
 
 runner = CliRunner()
 
@@ -93,42 +95,16 @@ def test_run_prints_summary_and_writes_run_dir(tmp_path: Path) -> None:
 
 
 def test_run_warns_when_the_profile_was_fitted_at_another_token_budget(tmp_path: Path) -> None:
-    from sim.cost_model import CalibrationProfile, CostParams, save_profile
-
     profile = tmp_path / "profile.json"
-    save_profile(
-        CalibrationProfile(
-            params=CostParams(mode="additive"),
-            hardware="cpu",
-            model="tiny-llama",
-            vllm_version="0.32.0",
-            fit={"r2": 0.97},
-            num_steps=100,
-            created_by="test",
-            max_num_batched_tokens=[512],
-        ),
-        profile,
-    )
-    base = ["run", str(DEFAULT_SCENARIO), "--set", "workload.sessions=4", "--quiet"]
-    calibrated = ["--calibration", str(profile)]
-    code, output = run(
-        *base,
-        "--set",
-        "engine.max_num_batched_tokens=512",
-        *calibrated,
-        "--out",
-        str(tmp_path / "a"),
-    )
-    assert code == 0, output
-    assert "was not calibrated" not in output
-    code, output = run(
-        *base,
-        "--set",
-        "engine.max_num_batched_tokens=384",
-        *calibrated,
-        "--out",
-        str(tmp_path / "b"),
-    )
-    assert code == 0, output
-    assert "engine.max_num_batched_tokens=384 was not calibrated" in output
-    assert "used 512" in output and "run written to" in output
+    save_profile(profile_with(CostParams(mode="additive"), max_num_batched_tokens=[512]), profile)
+    outputs = {}
+    for budget in (512, 384):
+        code, outputs[budget] = run(
+            *("run", str(DEFAULT_SCENARIO), "--set", "workload.sessions=4", "--quiet"),
+            *("--set", f"engine.max_num_batched_tokens={budget}", "--calibration", str(profile)),
+            *("--out", str(tmp_path / str(budget))),
+        )
+        assert code == 0, outputs[budget]
+    assert "was not calibrated" not in outputs[512]
+    assert "engine.max_num_batched_tokens=384 was not calibrated" in outputs[384]
+    assert "used 512" in outputs[384] and "run written to" in outputs[384]
