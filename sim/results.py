@@ -127,7 +127,13 @@ def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
     out_dir = Path(out_dir)
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
-        clean_stale(out_dir.parent)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        if isinstance(exc, FileExistsError):
+            reason = f"{out_dir.parent} is not a directory"
+        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+    clean_stale(out_dir.parent)
+    try:
         out_dir.mkdir()
     except FileExistsError:
         raise KvsimConfigError(
@@ -144,6 +150,23 @@ def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
             f"{option} {out_dir}: cannot write into it ({exc.strerror or exc})"
         ) from None
     return out_dir
+
+
+def check_out_free(out_dir: Path, option: str = "--out") -> None:
+    """KvsimConfigError unless ``out_dir`` does not exist and its folder can be created and
+    written (for writers that create the directory themselves, later)."""
+    out_dir = Path(out_dir)
+    try:
+        if out_dir.exists():
+            raise KvsimConfigError(f"{option} {out_dir}: already exists; kvsim never overwrites")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        if isinstance(exc, FileExistsError):
+            reason = f"{out_dir.parent} is not a directory"
+        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+    if not os.access(out_dir.parent, os.W_OK | os.X_OK):
+        raise KvsimConfigError(f"{option} {out_dir}: its folder is not writable")
 
 
 def claim_new_run_dir(base: Path, name: str) -> Path:

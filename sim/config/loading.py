@@ -9,6 +9,7 @@ expanding it.
 
 from __future__ import annotations
 
+import codecs
 import json
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,14 @@ from sim.config.limits import MAX_CONFIG_FILE_BYTES, MAX_YAML_NODES
 from sim.errors import KvsimConfigError, short_repr
 
 _MERGE_TAG = "tag:yaml.org,2002:merge"
+# Byte-order marks of encodings other than UTF-8 (UTF-32 first: its LE mark starts like
+# UTF-16's).
+_OTHER_BOMS = (
+    (codecs.BOM_UTF32_LE, "UTF-32"),
+    (codecs.BOM_UTF32_BE, "UTF-32"),
+    (codecs.BOM_UTF16_LE, "UTF-16"),
+    (codecs.BOM_UTF16_BE, "UTF-16"),
+)
 
 
 def is_file(path: str | Path) -> bool:
@@ -69,6 +78,11 @@ def check_readable_file(path: Path, what: str, max_bytes: int) -> None:
 
 def decode_text(data: bytes, path: str | Path, what: str) -> str:
     """``data`` as UTF-8 text (BOM dropped); binary or other encodings are refused."""
+    for bom, encoding in _OTHER_BOMS:
+        if data.startswith(bom):
+            raise KvsimConfigError(
+                f"{what} {path}: is {encoding} text, not UTF-8; save it as UTF-8"
+            )
     if b"\x00" in data:
         raise KvsimConfigError(
             f"{what} {path}: is a binary file (it holds NUL bytes), not UTF-8 text"
