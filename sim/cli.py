@@ -51,8 +51,9 @@ def run(
     try:
         # Everything that can fail is checked before simulating: the scenario, the files it
         # reads, the KV sizing, the profile, and the run directory, claimed atomically.
-        spec = load_scenario(scenario or DEFAULT_SCENARIO, set_ or [])
-        check_runnable(spec)
+        scenario = scenario or DEFAULT_SCENARIO
+        spec = load_scenario(scenario, set_ or [])
+        check_runnable(spec, str(scenario))
         profile = load_cost_params(calibration) if calibration is not None else None
         warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
         if warning:
@@ -82,7 +83,7 @@ def run(
         wall_s = time.perf_counter() - started
         if result.summary["num_requests"] == 0:
             raise KvsimConfigError(
-                f"{spec.name}: no request arrived before limits.max_duration_s="
+                f"{scenario}: no request arrived before limits.max_duration_s="
                 f"{spec.limits.max_duration_s:,.6g} s; raise it, or make the workload's "
                 "arrivals earlier"
             )

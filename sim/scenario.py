@@ -236,14 +236,16 @@ def _empirical_lengths(node: Any) -> list[EmpiricalLength]:
     return []
 
 
-def check_runnable(scenario: Scenario) -> KVSizing:
+def check_runnable(scenario: Scenario, source: str | None = None) -> KVSizing:
     """Everything that can be checked before simulating, beyond parsing: the KV sizing, the
     data files the workload reads (traces, empirical lengths), and that some request can
-    arrive before ``limits.max_duration_s``. Returns the sizing; raises KvsimConfigError."""
+    arrive before ``limits.max_duration_s``. Returns the sizing; raises KvsimConfigError whose
+    message starts with ``source`` (the scenario file), else the scenario's name."""
+    where = source or f"scenario {scenario.name!r}"
     try:
         sizing = size_kv_cache(scenario.model, scenario.hardware, scenario.engine)
     except ValueError as exc:
-        raise KvsimConfigError(f"scenario {scenario.name!r}: {exc}") from None
+        raise KvsimConfigError(f"{where}: {exc}") from None
     workload = scenario.workload
     limit_s = scenario.limits.max_duration_s
     for dist in _empirical_lengths(workload):
@@ -270,13 +272,20 @@ def check_runnable(scenario: Scenario) -> KVSizing:
                 f"{scenario.engine.max_model_len}, so workload.on_too_long='skip' leaves none"
             )
     else:
+        prefix = getattr(workload, "shared_prefix_tokens", 0)
+        if prefix + 2 > scenario.engine.max_model_len:
+            raise KvsimConfigError(
+                f"{where}: workload.shared_prefix_tokens={prefix} leaves no room for a prompt "
+                f"token and an output token within engine.max_model_len="
+                f"{scenario.engine.max_model_len}"
+            )
         arrival = getattr(workload, "arrival", None) or getattr(workload, "session_arrival", None)
         if isinstance(arrival, BurstArrivals):
             first_arrival_s = arrival.at_s
             what = "the burst's at_s"
     if first_arrival_s is not None and first_arrival_s > limit_s:
         raise KvsimConfigError(
-            f"{scenario.name}: {what} is {first_arrival_s:,.6g} s, after limits.max_duration_s="
+            f"{where}: {what} is {first_arrival_s:,.6g} s, after limits.max_duration_s="
             f"{limit_s:,.6g} s: no request would arrive before the run ends"
         )
     return sizing

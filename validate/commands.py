@@ -114,7 +114,7 @@ def replay_cmd(
 
     try:
         spec = load_scenario(scenario)
-        check_runnable(spec)
+        check_runnable(spec, str(scenario))
         engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-vllm-{device}")
         check_out_free(out_dir)
@@ -173,7 +173,7 @@ def validate_cmd(
 
     try:
         spec = load_scenario(scenario)
-        check_runnable(spec)
+        check_runnable(spec, str(scenario))
         engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
         profile = load_cost_params(calibration) if calibration else None
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")

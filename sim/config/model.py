@@ -304,10 +304,11 @@ def load_model_config_json(path: str | Path, name: str | None = None) -> ModelGe
         "tie_word_embeddings": fields.tie_word_embeddings,
     }
     # transformers >= 4.56 writes "dtype"; older files say "torch_dtype".
+    dtype_key = "dtype" if fields.dtype else "torch_dtype"
     dtype = fields.dtype or fields.torch_dtype or "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise KvsimConfigError(
-            f"{source}: dtype = {short_repr(dtype)}: kvsim knows {', '.join(DTYPE_BYTES)}"
+            f"{source}: {dtype_key} = {short_repr(dtype)}: kvsim knows {', '.join(DTYPE_BYTES)}"
         )
     num_params = fields.num_params
     if num_params is None:
