@@ -23,7 +23,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from sim.config.engine import EngineConfig
 from sim.config.hardware import Hardware, resolve_hardware
-from sim.config.limits import MAX_SECONDS, MAX_SEED, STRICT
+from sim.config.limits import MAX_SECONDS, MAX_SEED, KvsimModel
 from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
 from sim.config.sizing import KVSizing, size_kv_cache
@@ -42,10 +42,8 @@ SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 DEFAULT_SCENARIO = SCENARIO_DIR / "coding-agents-8b-h100.yaml"
 
 
-class Slos(BaseModel):
+class Slos(KvsimModel):
     """Latency objectives; a request meets them when each of its latencies is under the bound."""
-
-    model_config = STRICT
 
     ttft_p99_s: float | None = Field(
         None, gt=0, le=MAX_SECONDS, description="p99 time to first token bound."
@@ -58,20 +56,16 @@ class Slos(BaseModel):
     )
 
 
-class Limits(BaseModel):
+class Limits(KvsimModel):
     """When a run stops even if the workload is not done."""
-
-    model_config = STRICT
 
     max_duration_s: float = Field(
         4 * 3600.0, gt=0, le=MAX_SECONDS, description="Simulated seconds after which the run stops."
     )
 
 
-class Scenario(BaseModel):
+class Scenario(KvsimModel):
     """A complete what-if: model, GPU, engine settings, traffic, objectives."""
-
-    model_config = STRICT
 
     name: str = Field(
         pattern=NAME_PATTERN,
@@ -243,9 +237,16 @@ def check_runnable(scenario: Scenario, source: str | None = None) -> KVSizing:
     message starts with ``source`` (the scenario file), else the scenario's name."""
     where = source or f"scenario {scenario.name!r}"
     try:
-        sizing = size_kv_cache(scenario.model, scenario.hardware, scenario.engine)
+        return _check_runnable(scenario, where)
     except ValueError as exc:
-        raise KvsimConfigError(f"{where}: {exc}") from None
+        message = str(exc)
+        if not message.startswith(where):
+            message = f"{where}: {message}"
+        raise KvsimConfigError(message) from None
+
+
+def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
+    sizing = size_kv_cache(scenario.model, scenario.hardware, scenario.engine)
     workload = scenario.workload
     limit_s = scenario.limits.max_duration_s
     for dist in _empirical_lengths(workload):

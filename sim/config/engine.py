@@ -8,23 +8,21 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from sim.config.limits import (
     MAX_NUM_GPU_BLOCKS,
     MAX_NUM_SEQS,
     MAX_TENSOR_PARALLEL,
     MAX_TOKENS,
-    STRICT,
+    KvsimModel,
 )
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(KvsimModel):
     """vLLM engine arguments that the simulated KV cache and scheduler obey."""
-
-    model_config = STRICT
 
     block_size: int = Field(
         16, gt=0, le=MAX_TOKENS, description="Tokens per KV block (vLLM GPU default 16)."

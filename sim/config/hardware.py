@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from sim.config.limits import (
     MAX_BANDWIDTH_BYTES_PER_S,
     MAX_FLOPS_PER_S,
     MAX_HBM_BYTES,
     MIN_RATE_BYTES_PER_S,
-    STRICT,
+    KvsimModel,
 )
 from sim.errors import KvsimConfigError
 
@@ -19,10 +19,8 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 
-class Hardware(BaseModel):
+class Hardware(KvsimModel):
     """Datasheet figures of one GPU; the cost model derates them by fitted efficiencies."""
-
-    model_config = STRICT
 
     name: str = Field(max_length=200, description="Name shown in reports, e.g. 'H100-SXM-80GB'.")
     source: str = Field("user-supplied", description="Where the figures come from.")

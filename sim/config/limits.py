@@ -10,9 +10,10 @@ field and the bound. Non-finite numbers (``.inf``, ``.nan``) are refused everywh
 
 from __future__ import annotations
 
-from typing import Annotated
+import types
+from typing import Annotated, Any, Union, get_args, get_origin
 
-from pydantic import ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # Every config model: unknown keys are errors, parsed configs are immutable, no inf / nan.
 STRICT = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
@@ -70,3 +71,46 @@ PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 RatePerS = Annotated[float, Field(ge=MIN_RATE_PER_S, le=MAX_RATE_PER_S)]
 VocabSize = Annotated[int, Field(le=MAX_VOCAB_SIZE)]
 Priority = Annotated[int, Field(ge=-MAX_ABS_PRIORITY, le=MAX_ABS_PRIORITY)]
+
+
+def _numeric(annotation: Any) -> tuple[bool, bool]:
+    """(is a number, is a list of numbers) for a field annotation; bool fields are neither."""
+    origin = get_origin(annotation)
+    if origin is Annotated:
+        return _numeric(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        args = [a for a in get_args(annotation) if a is not type(None)]
+        if bool in args:
+            return False, False
+        found = [_numeric(a) for a in args]
+        return any(f[0] for f in found), any(f[1] for f in found)
+    if origin is list:
+        (item,) = get_args(annotation) or (Any,)
+        return False, _numeric(item)[0]
+    return annotation in (int, float), False
+
+
+class KvsimModel(BaseModel):
+    """Base of every config model: :data:`STRICT`, and ``true``/``false`` are not numbers
+    (pydantic would read ``max_model_len: true`` as 1)."""
+
+    model_config = STRICT
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for key, value in data.items():
+            if not (
+                isinstance(value, bool)
+                or (isinstance(value, list) and any(isinstance(v, bool) for v in value))
+            ):
+                continue
+            field = cls.model_fields.get(key) if isinstance(key, str) else None
+            if field is None:
+                continue
+            number, numbers = _numeric(field.annotation)
+            if (number and isinstance(value, bool)) or (numbers and isinstance(value, list)):
+                raise ValueError(f"{key} = {value}: a number is needed, not true/false")
+        return data

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sim.config.limits import MAX_LAYERS, MAX_MODEL_DIM, MAX_PARAMS, MAX_TOKENS, STRICT
+from sim.config.limits import MAX_LAYERS, MAX_MODEL_DIM, MAX_PARAMS, MAX_TOKENS, KvsimModel
 from sim.config.loading import is_dir, is_file, load_json_object
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
 
@@ -20,10 +20,8 @@ DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 _QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 
 
-class ModelGeometry(BaseModel):
+class ModelGeometry(KvsimModel):
     """Shape of a dense (or MoE, via ``num_active_params``) decoder-only transformer."""
-
-    model_config = STRICT
 
     name: str = Field(max_length=200, description="Name shown in reports, e.g. 'Llama-3.1-8B'.")
     num_hidden_layers: int = Field(

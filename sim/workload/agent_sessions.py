@@ -13,14 +13,14 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from sim.config.limits import (
     MAX_FANOUT_WIDTH,
     MAX_SESSIONS,
     MAX_TOKENS,
     MAX_VOCAB_SIZE,
-    STRICT,
+    KvsimModel,
 )
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
@@ -42,10 +42,8 @@ from sim.workload.distributions import (
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
 
-class FanoutConfig(BaseModel):
+class FanoutConfig(KvsimModel):
     """Sub-agents: some turns launch ``width`` parallel calls on the turn's full context."""
-
-    model_config = STRICT
 
     probability: float = Field(ge=0, le=1, description="Chance that a turn fans out.")
     width: int = Field(
@@ -59,10 +57,8 @@ class FanoutConfig(BaseModel):
     )
 
 
-class AgentSessionsWorkload(BaseModel):
+class AgentSessionsWorkload(KvsimModel):
     """Agent sessions whose context grows every turn, separated by tool waits."""
-
-    model_config = STRICT
 
     kind: Literal["agent_sessions"] = "agent_sessions"
     sessions: int = Field(gt=0, le=MAX_SESSIONS, description="Number of sessions.")

@@ -25,7 +25,7 @@ from sim.config.limits import (
     MAX_TOKENS,
     MAX_WEIGHT,
     MIN_RATE_PER_S,
-    STRICT,
+    KvsimModel,
 )
 from sim.config.loading import read_text
 from sim.errors import KvsimConfigError, short_repr
@@ -34,8 +34,8 @@ from sim.errors import KvsimConfigError, short_repr
 _Z95 = 1.6448536269514722
 
 
-class _Config(BaseModel):
-    model_config = STRICT
+class _Config(KvsimModel):
+    """A frozen distribution config (see :class:`KvsimModel`)."""
 
 
 class _Stashed:

@@ -6,9 +6,9 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field
+from pydantic import Field
 
-from sim.config.limits import MAX_REQUESTS, MAX_TOKENS, MAX_VOCAB_SIZE, STRICT
+from sim.config.limits import MAX_REQUESTS, MAX_TOKENS, MAX_VOCAB_SIZE, KvsimModel
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
 from sim.workload.distributions import (
@@ -23,7 +23,7 @@ from sim.workload.distributions import (
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
 
-class OpenLoopWorkload(BaseModel):
+class OpenLoopWorkload(KvsimModel):
     """Independent requests at sampled arrival times (the classic serving benchmark).
 
     A request's prompt is ``shared_prefix_tokens`` common tokens followed by a unique part of
@@ -31,8 +31,6 @@ class OpenLoopWorkload(BaseModel):
     length). Lengths are clipped so prompt + output never exceeds the engine's max_model_len:
     the unique part is cut first, then the output.
     """
-
-    model_config = STRICT
 
     kind: Literal["open_loop"] = "open_loop"
     num_requests: int = Field(gt=0, le=MAX_REQUESTS, description="Requests to submit.")

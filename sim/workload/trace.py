@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from sim.config.limits import (
     MAX_DATA_FILE_BYTES,
@@ -28,7 +28,7 @@ from sim.config.limits import (
     MAX_SECONDS,
     MAX_TOKENS,
     MAX_VOCAB_SIZE,
-    STRICT,
+    KvsimModel,
 )
 from sim.config.loading import read_text
 from sim.errors import KvsimConfigError, short_repr
@@ -267,10 +267,8 @@ def _hash_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(_int(item, "hash_ids", where, minimum=0) for item in items)
 
 
-class TraceWorkload(BaseModel):
+class TraceWorkload(KvsimModel):
     """Replay a recorded trace open loop: each row is submitted at its (scaled) timestamp."""
-
-    model_config = STRICT
 
     kind: Literal["trace"] = "trace"
     path: str = Field(

@@ -8,7 +8,7 @@ The only allowed outcomes: a complete run, or exit status 2 with one paragraph t
 file (and, for a mutated value, the field). No traceback, no hang (each case has a wall-clock
 limit), and nothing left behind but the inputs and a complete run directory.
 
-``KVSIM_FUZZ_EXAMPLES`` sets the number of cases (default 150, about a minute); the test
+``KVSIM_FUZZ_EXAMPLES`` sets the number of cases (default 500, about a minute on 2 cores); the test
 session's summary prints how many ran and how they ended.
 """
 
@@ -31,7 +31,7 @@ from typer.testing import CliRunner
 
 from sim.cli import app
 
-EXAMPLES = int(os.environ.get("KVSIM_FUZZ_EXAMPLES", "150"))
+EXAMPLES = int(os.environ.get("KVSIM_FUZZ_EXAMPLES", "500"))
 # Wall-clock seconds one case may take: the base scenarios simulate in well under a second.
 CASE_TIMEOUT_S = 60
 # Read by tests/sim/conftest.py for the session summary.
