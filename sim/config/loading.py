@@ -150,7 +150,10 @@ def _expanded_size(root: Node) -> int:
 
 def load_yaml(text: str, source: str) -> Any:
     """Parse one YAML document; KvsimConfigError naming ``source`` on any problem."""
-    loader = _StrictLoader(text)
+    try:
+        loader = _StrictLoader(text)  # checks the characters: may raise a ReaderError
+    except yaml.YAMLError as exc:
+        raise KvsimConfigError(f"{source}: not valid YAML: {_yaml_reason(exc)}") from None
     try:
         node = loader.get_single_node()
         if node is None:

@@ -205,12 +205,16 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
     trace_format = draw(st.sampled_from(["csv", "jsonl"]))
     if kind == "trace":
         scenario["workload"] = dict(WORKLOADS["trace"], path=f"trace.{trace_format}")
-    targets = ["scenario", "scenario-text"]
+    targets = ["scenario", "scenario-text", "set"]
     if use_config:
         targets.append("model")
     if kind == "trace":
         targets.append("trace")
+    if kind == "agent_sessions":
+        targets.append("lengths")
     target = draw(st.sampled_from(targets))
+    lengths = b"# output lengths\n4\n8\n12\n"
+    args: list[str] = []
     mutated_path: tuple[Any, ...] | None = None
     model: dict[str, Any] | Any = dict(TINY_MODEL)
     rows: list[dict[str, Any]] = [dict(r) for r in TRACE_ROWS]
@@ -232,6 +236,23 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
             mutated_path = mutated_path[1:] if mutated_path else mutated_path
         else:
             raw[f"trace.{trace_format}"] = draw(mutate_bytes(_trace_bytes(rows, trace_format)))
+    elif target == "lengths":
+        scenario["workload"] = dict(
+            scenario["workload"], output_tokens={"kind": "empirical", "path": "lengths.txt"}
+        )
+        how = draw(st.sampled_from(["bytes", "line"]))
+        if how == "bytes":
+            lengths = draw(mutate_bytes(lengths))
+        else:
+            bad = draw(WRONG_VALUES)
+            lengths += (json.dumps(bad) if not isinstance(bad, str) else bad).encode() + b"\n"
+    elif target == "set":
+        paths = [p for p in _paths(scenario) if p and all(isinstance(k, str) for k in p)]
+        mutated_path = draw(st.sampled_from(paths))
+        value = draw(WRONG_VALUES)
+        rendered = yaml.safe_dump(value, default_flow_style=True, width=10**9)
+        rendered = rendered.removesuffix("\n...\n").strip()
+        args = ["--set", ".".join(mutated_path) + "=" + rendered]
     text = yaml.safe_dump(scenario, sort_keys=False, allow_unicode=True)
     if target == "scenario-text":
         how = draw(st.sampled_from(["bytes", "duplicate", "alias", "bomb"]))
@@ -258,7 +279,9 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
             f"trace.{trace_format}": raw.get(
                 f"trace.{trace_format}", _trace_bytes(rows, trace_format)
             ),
+            "lengths.txt": lengths,
         },
+        "args": args,
         "trace_name": f"trace.{trace_format}",
     }
 
@@ -315,7 +338,9 @@ def _check_case(case: dict[str, Any], folder: Path) -> None:
     os.chdir(folder)  # a run without --out would write runs/ here, not in the checkout
     try:
         with time_limit(CASE_TIMEOUT_S):
-            result = RUNNER.invoke(app, ["run", "scenario.yaml", "--out", str(out), "--quiet"])
+            result = RUNNER.invoke(
+                app, ["run", "scenario.yaml", *case["args"], "--out", str(out), "--quiet"]
+            )
     finally:
         os.chdir(cwd)
     output = result.output
@@ -338,7 +363,12 @@ def _check_case(case: dict[str, Any], folder: Path) -> None:
     assert message.startswith("error: "), described
     assert "\n" not in output.strip(), f"more than one paragraph: {described}"
     assert len(message) < 3000, f"unbounded message: {described}"
-    named = {"scenario": "scenario.yaml", "scenario-text": "scenario.yaml"}
+    named = {
+        "scenario": "scenario.yaml",
+        "scenario-text": "scenario.yaml",
+        "set": "scenario.yaml",
+        "lengths": "lengths.txt",
+    }
     expected_file = named.get(case["target"], "config.json")
     if case["target"] == "trace":
         expected_file = case["trace_name"]

@@ -84,3 +84,8 @@ def test_json_object_reader(tmp_path: Path, text: str, expected: str) -> None:
     with pytest.raises(KvsimConfigError, match=r"config\.json") as info:
         load_json_object(path, "model config")
     assert expected in str(info.value)
+
+
+def test_unprintable_characters_are_a_yaml_error() -> None:
+    with pytest.raises(KvsimConfigError, match=r"s\.yaml: not valid YAML: unacceptable character"):
+        load_yaml("\x80name: x\n", "s.yaml")
