@@ -23,6 +23,9 @@ from functools import cache
 import pytest
 
 INSTALL_VLLM = "bash .ci/setup.sh --with-vllm"
+# Which of vLLM and torch were imported once every test module was: none, so the fast lane
+# runs without vLLM installed (tests/test_conftest.py checks it).
+IMPORTED_AT_COLLECTION = pytest.StashKey[list[str]]()
 
 
 def in_ci() -> bool:
@@ -56,6 +59,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if item.get_closest_marker("slow") is not None:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    imported = [name for name in ("vllm", "torch") if name in sys.modules]
+    session.config.stash[IMPORTED_AT_COLLECTION] = imported
 
 
 @pytest.hookimpl(tryfirst=True)

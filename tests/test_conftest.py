@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import in_ci
+from tests.conftest import IMPORTED_AT_COLLECTION, in_ci
 
 pytest_plugins = ("pytester",)
 
@@ -135,3 +135,8 @@ def test_the_fast_lane_never_imports_vllm_and_full_runs_the_slow_tests(
     lanes.makepyfile(vllm="raise OSError('must not be imported')")
     result = lanes.runpytest_subprocess("-m", "not vllm", "--full")
     result.assert_outcomes(passed=2, deselected=1)
+
+
+def test_collecting_the_tests_imports_neither_vllm_nor_torch(pytestconfig: pytest.Config) -> None:
+    """Only the tests marked vllm import it, when they run: the fast lane needs no vLLM."""
+    assert pytestconfig.stash[IMPORTED_AT_COLLECTION] == []
