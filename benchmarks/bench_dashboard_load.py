@@ -82,8 +82,7 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _serve(base: Path, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
+def _serve(base: Path, log: Path, port: int) -> tuple[subprocess.Popen, str]:
     out = log.open("w")
     proc = subprocess.Popen(
         streamlit_command("127.0.0.1", port, base, headless=True),
@@ -116,17 +115,36 @@ def _browser(profile: Path):
                 "--disable-dev-shm-usage", f"--user-data-dir={profile}",
                 "--window-size=1366,768"):  # fmt: skip
         options.add_argument(arg)
-    return webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    driver = webdriver.Chrome(options=options, service=Service(str(CHROMEDRIVER)))
+    driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": _WS_HOOK})
+    return driver
 
 
 _PROBE = """
 const h1 = document.querySelector('h1');
 return [h1 ? h1.textContent : null, document.querySelectorAll(arguments[0]).length];
 """
+# Records when the page's websocket to the server opens (the session starts there).
+_WS_HOOK = """
+const Native = window.WebSocket;
+window.WebSocket = function (...args) {
+  const ws = new Native(...args);
+  ws.addEventListener('open', () => { window.__kvsimWsOpen ??= performance.now(); });
+  return ws;
+};
+window.WebSocket.prototype = Native.prototype;
+Object.assign(window.WebSocket, Native);
+"""
+# The browser's marks (ms since navigation start): HTML and scripts loaded, websocket open.
+_MARKS = """
+const nav = performance.getEntriesByType('navigation')[0];
+return [nav ? nav.domContentLoadedEventEnd : null, window.__kvsimWsOpen ?? null];
+"""
 
 
-def _load(driver, url: str, title: str, selector: str, count: int) -> tuple[float, float]:
-    """Seconds from get() to the title shown, and to ``count`` elements of ``selector``."""
+def _load(driver, url: str, title: str, selector: str, count: int) -> tuple[float, ...]:
+    """Seconds from get() to the title shown and to ``count`` elements of ``selector``; the
+    browser's DOMContentLoaded and websocket open (s since navigation start)."""
     started = time.perf_counter()
     driver.get(url)
     first = None
@@ -139,7 +157,8 @@ def _load(driver, url: str, title: str, selector: str, count: int) -> tuple[floa
         if first is None and heading and title in heading:
             first = now
         if first is not None and found >= count:
-            return first, now
+            loaded, connected = driver.execute_script(_MARKS)
+            return first, now, (loaded or 0) / 1e3, (connected or 0) / 1e3
         time.sleep(0.01)
     raise SystemExit(f"{url}: title {title!r} at {first} s, {selector} x{count} never shown")
 
@@ -155,20 +174,37 @@ def bench_first_paint(base: Path) -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="kvsim-paint-"))
     try:
-        for path, title, selector, count in PAGES:
-            proc, url = _serve(base, work / "streamlit.log")
-            driver = _browser(work / f"profile-{path or 'root'}")
-            try:
-                cold = _load(driver, f"{url}/{path}", title, selector, count)
-                warm = _load(driver, f"{url}/{path}", title, selector, count)
-            finally:
-                driver.quit()
+        port = _free_port()  # every server on the same port: the browser's cache applies
+        driver = _browser(work / "profile")
+        try:
+            # A first visit with an empty browser cache, then each page on a fresh server (its
+            # first session pays every import) and again in a second session.
+            runs = [("What-if", "first visit (empty browser cache)", True), *(
+                (page[1], session, session == "fresh server")
+                for page in PAGES for session in ("fresh server", "second session")
+            )]  # fmt: skip
+            proc = None
+            for title, session, restart in runs:
+                path, _, selector, count = next(p for p in PAGES if p[1] == title)
+                if restart:
+                    if proc is not None:
+                        proc.terminate()
+                        proc.wait()
+                    proc, url = _serve(base, work / "streamlit.log", port)
+                first, done, loaded, connected = _load(
+                    driver, f"{url}/{path}", title, selector, count
+                )
+                print(
+                    f"{title}, {session}: title shown after {first:.2f} s, complete after "
+                    f"{done:.2f} s (scripts loaded {loaded:.2f} s, session open "
+                    f"{connected:.2f} s: title {first - connected:.2f} s after the session "
+                    "began)"
+                )
+        finally:
+            driver.quit()
+            if proc is not None:
                 proc.terminate()
                 proc.wait()
-            print(
-                f"{title} page, fresh server: title shown after {cold[0]:.2f} s, complete "
-                f"after {cold[1]:.2f} s; second session: {warm[0]:.2f} s / {warm[1]:.2f} s"
-            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -28,6 +28,7 @@ if str(ROOT) not in sys.path:
 # load inside the page, after its title is on screen.
 from dashboard.errors import show_error  # noqa: E402
 from dashboard.locations import list_sweeps, runs_dir  # noqa: E402
+from dashboard.warmup import warm_up  # noqa: E402
 
 VIEWS = Path(__file__).resolve().parent / "views"
 
@@ -48,3 +49,5 @@ try:
     page.run()
 except Exception as exc:  # the pages catch what they expect; nothing may reach the browser raw
     show_error(exc, f"{page.title} page")
+finally:
+    warm_up()  # after the first page is drawn: the other pages' modules, in the background

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -409,3 +411,24 @@ def test_what_if_save_into_an_unwritable_runs_dir(
     at.button(key="wi-save").click().run()
     assert _one_error(at).startswith(f"saving the run to {blocker / 'runs'}: ")
     assert not at.success
+
+
+def test_warm_up_imports_the_heavy_modules_once() -> None:
+    """In a fresh interpreter: none of them before, all of them after, one thread."""
+    check = (
+        "import sys, threading\n"
+        "from dashboard.warmup import HEAVY_MODULES, warm_up\n"
+        "assert not [m for m in HEAVY_MODULES if m in sys.modules]\n"
+        "done = warm_up()\n"
+        "assert warm_up() is done\n"
+        "assert [t.name for t in threading.enumerate()].count('kvsim-warm-up') == 1\n"
+        f"assert done.wait({TIMEOUT_S})\n"
+        "print(sorted(m for m in HEAVY_MODULES if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, check=True
+    )
+    from dashboard.warmup import HEAVY_MODULES
+
+    assert out.stdout.strip() == str(sorted(HEAVY_MODULES))
