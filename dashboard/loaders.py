@@ -17,8 +17,6 @@ time, because ``st.cache_data`` hands out a pickled copy on every rerun.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,24 +37,8 @@ from dashboard.data import (
 )
 from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
 
-RUNS_DIR_ENV = "KVSIM_RUNS_DIR"
 BLOCK_MAP = "block_map.npz"
-SWEEPS = "sweeps"
-SWEEP_FILE = "sweep.json"
 _RUN_FILES = (SUMMARY, REQUESTS, STEPS, SCENARIO, BLOCK_MAP)
-
-
-def runs_dir(argv: list[str] | None = None) -> Path:
-    """The runs directory: ``--runs-dir DIR`` after ``--`` on the streamlit command line,
-    else ``$KVSIM_RUNS_DIR``, else ``./runs``."""
-    argv = sys.argv[1:] if argv is None else argv
-    for i, arg in enumerate(argv):
-        if arg == "--runs-dir" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--runs-dir="):
-            return Path(arg.split("=", 1)[1])
-    env = os.environ.get(RUNS_DIR_ENV)
-    return Path(env) if env else Path("runs")
 
 
 def list_runs(base: Path) -> list[Path]:
@@ -190,12 +172,6 @@ def _cached_block_map(path: str, mtime_ns: int) -> BlockMap | None:
 def load_block_map(path: str | Path) -> BlockMap | None:
     resolved = Path(path).expanduser().resolve()
     return _cached_block_map(str(resolved), mtime_key(resolved))
-
-
-def list_sweeps(base: Path) -> list[Path]:
-    """``sweep.json`` files under ``base/sweeps/*/`` (there is no sweep command yet)."""
-    root = base / SWEEPS
-    return sorted(root.glob(f"*/{SWEEP_FILE}")) if root.is_dir() else []
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

@@ -134,11 +134,17 @@ def dashboard(
     runs_dir: Annotated[Path, typer.Option(help="Where run directories are read and saved.")] = (
         Path("runs")
     ),
-    headless: Annotated[bool, typer.Option(help="Do not open a browser.")] = False,
+    headless: Annotated[
+        bool, typer.Option(help="Do not open a browser (one opens only where there is a display).")
+    ] = False,
 ) -> None:
     """Open the Streamlit dashboard: what-ifs, run explorer, sim-vs-real comparison."""
-    from dashboard.launch import launch
+    from dashboard.launch import check_options, launch
 
+    try:
+        check_options(host, port, runs_dir)
+    except KvsimConfigError as exc:
+        raise fail(str(exc)) from None
     raise typer.Exit(launch(host=host, port=port, runs_dir=runs_dir, headless=headless))
 
 
