@@ -36,6 +36,7 @@ from dashboard.data import (
     latency_cdfs,
 )
 from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
+from sim.results import list_runs as complete_runs
 
 BLOCK_MAP = "block_map.npz"
 _RUN_FILES = (SUMMARY, REQUESTS, STEPS, SCENARIO, BLOCK_MAP)
@@ -45,7 +46,8 @@ def list_runs(base: Path) -> list[Path]:
     """Run directories directly under ``base`` (those with a summary.json), newest first."""
     if not base.is_dir():
         return []
-    found = [p for p in base.iterdir() if p.is_dir() and (p / SUMMARY).is_file()]
+    # Hidden folders (a killed run's .partial-*) and claimed runs in progress are not runs.
+    found = [p for p in complete_runs(base) if (p / SUMMARY).is_file()]
     return sorted(found, key=lambda p: (-(p / SUMMARY).stat().st_mtime_ns, p.name))
 
 

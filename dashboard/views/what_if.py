@@ -24,11 +24,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from dashboard.errors import guard, show_error
 from dashboard.knobs import Knob, build_overrides, knobs_for, question, scenario_from
 from dashboard.locations import runs_dir
+from sim.config.loading import load_yaml
+from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR
 
 RESULT = "what_if_result"
@@ -111,7 +111,7 @@ def _show_result(state: dict[str, Any]) -> None:
         from dashboard import charts
         from dashboard.components import show_summary
         from dashboard.data import every_kth, flatten_times, latency_cdfs
-        from sim.results import new_run_dir
+        from sim.results import claim_new_run_dir
 
     result = state["result"]
     st.subheader("Result")
@@ -137,7 +137,8 @@ def _show_result(state: dict[str, Any]) -> None:
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or result.scenario.name
     if button_col.button("Save run", key="wi-save", disabled=state["saved"] is not None):
         with guard(f"saving the run to {base}"):
-            out = result.write(new_run_dir(base, name))  # with its block map
+            # Claimed atomically: two sessions saving at once get two folders.
+            out = result.write(claim_new_run_dir(base, name))  # with its block map
         state["saved"] = out
         st.rerun()
     if state["saved"] is not None:
@@ -149,9 +150,10 @@ with guard("reading the scenario"):
 if picked is not None:
     text, source_name, base_dir, prefix = picked
     try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        st.error(f"{source_name}: not valid YAML: {' '.join(str(exc).split())}")
+        # kvsim's own reader: duplicate keys and alias bombs are refused, never expanded.
+        document = load_yaml(text, source_name)
+    except KvsimConfigError as exc:
+        st.error(str(exc))
         st.stop()
     except Exception as exc:
         show_error(exc, f"{source_name}: reading the YAML")
