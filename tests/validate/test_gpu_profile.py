@@ -33,7 +33,15 @@ from validate.gpu_profile import (
 )
 
 pytestmark = pytest.mark.vllm
-torch = pytest.importorskip("torch")
+
+
+@pytest.fixture(scope="module")
+def torch() -> Any:
+    """torch, imported when a test runs (never at collection: the fast lane has no torch)."""
+    import torch
+
+    return torch
+
 
 SHAPE_FIELDS = (
     "num_prefill_tokens",
@@ -51,7 +59,7 @@ def tiny_raw(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def test_measure_writes_every_grid_point_with_its_batch_shape(tiny_raw: Path) -> None:
+def test_measure_writes_every_grid_point_with_its_batch_shape(tiny_raw: Path, torch: Any) -> None:
     raw = json.loads(tiny_raw.read_text())
     assert raw["format"] == RAW_FORMAT
     assert raw["complete"] is True
@@ -97,7 +105,7 @@ def test_batch_shape_fields_count_pairs_and_decode_context_like_the_scheduler() 
     }
 
 
-def test_grid_skips_points_the_kv_pool_cannot_hold(tmp_path: Path) -> None:
+def test_grid_skips_points_the_kv_pool_cannot_hold(tmp_path: Path, torch: Any) -> None:
     # A KV pool of 1 MiB of tiny KV (512 B/token) holds 2048 tokens: 16 decodes at 256 do not fit.
     from validate.gpu_profile import DecoderStack
 
@@ -123,7 +131,7 @@ def test_time_budget_stops_adding_points_and_still_writes(tmp_path: Path) -> Non
     assert {s["reason"] for s in raw["skipped"]} == {"time budget spent"}
 
 
-def _naive_attention(stack: Any, batch: dict[str, Any], q: Any) -> Any:
+def _naive_attention(torch: Any, stack: Any, batch: dict[str, Any], q: Any) -> Any:
     """Per request, per query token and head: softmax over the keys it may see, in float32."""
     g = stack.g
     heads, kv_heads, hd = g["num_attention_heads"], g["num_key_value_heads"], g["head_dim"]
@@ -158,7 +166,9 @@ def _naive_attention(stack: Any, batch: dict[str, Any], q: Any) -> Any:
         (1, 33, 0, 0, 0),
     ],
 )
-def test_sdpa_attention_matches_a_naive_reference(point: tuple[int, ...], split_mode: str) -> None:
+def test_sdpa_attention_matches_a_naive_reference(
+    point: tuple[int, ...], split_mode: str, torch: Any
+) -> None:
     from validate.gpu_profile import DecoderStack
 
     g = GEOMETRIES["tiny"]
@@ -181,12 +191,12 @@ def test_sdpa_attention_matches_a_naive_reference(point: tuple[int, ...], split_
         dtype=torch.bfloat16,
     )
     got = stack._attention_sdpa(0, q, batch).float()
-    assert (got - _naive_attention(stack, batch, q)).abs().max() < 0.02
+    assert (got - _naive_attention(torch, stack, batch, q)).abs().max() < 0.02
     if split_mode == "always" and point[0] == 1 and point[2] == 256:
         assert stack.splits_for(dict(zip(keys, point, strict=True))) == (4, 2)
 
 
-def test_auto_split_only_splits_few_decodes_at_long_context() -> None:
+def test_auto_split_only_splits_few_decodes_at_long_context(torch: Any) -> None:
     from validate.gpu_profile import DecoderStack
 
     stack = DecoderStack(
@@ -225,7 +235,7 @@ def test_auto_split_only_splits_few_decodes_at_long_context() -> None:
     assert stack.splits_for(prefill) == (1, 1)
 
 
-def test_fit_writes_a_loadable_profile(tiny_raw: Path, tmp_path: Path) -> None:
+def test_fit_writes_a_loadable_profile(tiny_raw: Path, tmp_path: Path, torch: Any) -> None:
     raw = load_raw(tiny_raw)
     profile = fit_profile(raw, "H200-141GB", "test")
     path = tmp_path / "profile.json"
