@@ -118,6 +118,20 @@ def clean_stale(base: Path) -> list[Path]:
     return removed
 
 
+def _create_parent(out_dir: Path, option: str, refuse_existing: bool = False) -> None:
+    """Create ``out_dir``'s folder; KvsimConfigError naming ``option`` if it cannot be (or,
+    with ``refuse_existing``, if ``out_dir`` itself exists)."""
+    try:
+        if refuse_existing and out_dir.exists():
+            raise KvsimConfigError(f"{option} {out_dir}: already exists; kvsim never overwrites")
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except (OSError, ValueError) as exc:
+        reason = getattr(exc, "strerror", None) or str(exc)
+        if isinstance(exc, FileExistsError):
+            reason = f"{out_dir.parent} is not a directory"
+        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+
+
 def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
     """Create ``out_dir`` atomically and mark it as this process's run in progress.
 
@@ -125,13 +139,7 @@ def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
     or cannot be created or written (a read-only folder, a path under ``/proc``).
     """
     out_dir = Path(out_dir)
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        if isinstance(exc, FileExistsError):
-            reason = f"{out_dir.parent} is not a directory"
-        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+    _create_parent(out_dir, option)
     clean_stale(out_dir.parent)
     try:
         out_dir.mkdir()
@@ -156,15 +164,7 @@ def check_out_free(out_dir: Path, option: str = "--out") -> None:
     """KvsimConfigError unless ``out_dir`` does not exist and its folder can be created and
     written (for writers that create the directory themselves, later)."""
     out_dir = Path(out_dir)
-    try:
-        if out_dir.exists():
-            raise KvsimConfigError(f"{option} {out_dir}: already exists; kvsim never overwrites")
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-    except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        if isinstance(exc, FileExistsError):
-            reason = f"{out_dir.parent} is not a directory"
-        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+    _create_parent(out_dir, option, refuse_existing=True)
     if not os.access(out_dir.parent, os.W_OK | os.X_OK):
         raise KvsimConfigError(f"{option} {out_dir}: its folder is not writable")
 
