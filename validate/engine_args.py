@@ -6,11 +6,39 @@ import math
 from pathlib import Path
 from typing import Any
 
+from sim.config.model import DTYPE_BYTES
 from sim.config.sizing import size_kv_cache
 from sim.errors import KvsimConfigError
 from sim.scenario import Scenario
 
 GIB = 1 << 30
+# CPU flags with native bfloat16 matrix math (x86). Without them, torch runs bfloat16 GEMMs
+# emulated: measured on a 2-core AVX2-only AMD EPYC with the tiny model, decode steps ~5x and
+# the first step of every new token count ~15x slower than in float32, which turned the
+# six-round CI validation (~25 min on AVX-512 machines) into more than two hours.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
+
+
+def cpu_replay_dtype(cpuinfo: str | None = None) -> str:
+    """The dtype the CPU replay runs in: ``bfloat16`` where the CPU has native bfloat16 math
+    (``avx512_bf16`` or ``amx_bf16`` in /proc/cpuinfo's flags), ``float32`` elsewhere.
+
+    The dtype changes step times, not scheduling: the KV cache is sized by
+    ``num_gpu_blocks_override`` or kvsim's own sizing, and a profile is fitted on the machine
+    that replays. Each measured run's summary records the dtype it ran in.
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "bfloat16"  # not Linux (e.g. Apple silicon): vLLM's own default there
+    flags = {
+        flag
+        for line in cpuinfo.splitlines()
+        if line.split(":", 1)[0].strip() == "flags"
+        for flag in line.split(":", 1)[1].split()
+    }
+    return "bfloat16" if flags & NATIVE_BF16_FLAGS else "float32"
 
 
 def resolve_model_dir(scenario: Scenario, model: str | None) -> str:
@@ -56,11 +84,14 @@ def engine_kwargs(
             raise KvsimConfigError(
                 f"engine.block_size={e.block_size}: vLLM's CPU backend needs a multiple of 32"
             )
+        dtype = cpu_replay_dtype()
         kwargs.update(
-            load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype="bfloat16"
+            load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, dtype=dtype
         )
         sizing = size_kv_cache(scenario.model, scenario.hardware, e)
-        kv_bytes = sizing.num_gpu_blocks * sizing.bytes_per_block
+        # The cache holds kvsim's block count in the replay's dtype, not the model's.
+        widen = DTYPE_BYTES[dtype] / scenario.model.dtype_bytes
+        kv_bytes = sizing.num_gpu_blocks * sizing.bytes_per_block * max(widen, 1.0)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_bytes / GIB) + 1))
     elif device == "cuda":
         if Path(model).exists():

@@ -43,6 +43,7 @@ class ReplayResult:
     device: str
     model: str
     num_gpu_blocks: int
+    dtype: str  # what the engine ran in (validate.engine_args.cpu_replay_dtype on CPU)
 
 
 class VllmSink(SinkBase):
@@ -215,4 +216,7 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
     steps = recorder.steps
     end_s = steps["start_s"][-1] + steps["duration_s"][-1] if steps["step"] else 0.0
     num_blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
-    return ReplayResult(recorder, sink.error, end_s, vllm.__version__, device, model, num_blocks)
+    dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    return ReplayResult(
+        recorder, sink.error, end_s, vllm.__version__, device, model, num_blocks, dtype
+    )

@@ -43,6 +43,7 @@ def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]
         "model": scenario.model.name,
         "hardware": result.device,
         "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "default",
+        "dtype": result.dtype,
         "complete": result.error is None,
         "error": result.error,
         "truncated_at_limit": False,

@@ -12,7 +12,7 @@ from sim.cli import app
 from sim.recorder import REQUEST_COLUMNS, STEP_COLUMNS
 from sim.results import load_run, write_run
 from sim.scenario import SCENARIO_DIR, load_scenario
-from validate.engine_args import resolve_model_dir
+from validate.engine_args import cpu_replay_dtype, resolve_model_dir
 from validate.replay import build_engine, replay, warm_up
 from validate.runner import measured_summary
 
@@ -47,6 +47,7 @@ def test_replay_records_what_happened_in_the_simulators_schema(engine: Any, tmp_
     req, steps = run.requests, run.steps
     assert list(req.columns) == REQUEST_COLUMNS and list(steps.columns) == STEP_COLUMNS
     assert summary["source"] == "vllm" and summary["vllm_version"] == "0.32.0"
+    assert summary["dtype"] == cpu_replay_dtype()
     assert summary["complete"] is True and len(req) == 9 and req["finish_s"].notna().all()
     # Output lengths are pinned, every token has a time, TTFT <= E2E.
     assert (req["token_times_s"].map(len) == req["output_tokens"]).all()
