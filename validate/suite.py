@@ -13,6 +13,7 @@ compared against the median of its replays (with their spread kept in the report
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from itertools import zip_longest
@@ -27,6 +28,9 @@ from validate.runner import ValidationReport, build_report, run_real, run_sim
 PROFILE_NAME = "profile.json"
 # Six: with three, the error against their median moved by up to ~8 points between sessions.
 DEFAULT_ROUNDS = 6
+# The fewest rounds a time budget may cut the suite to: four replays still leave an interval
+# between the second lowest and the second highest (validate.compare), three would not.
+MIN_ROUNDS = 4
 
 
 @dataclass
@@ -36,6 +40,7 @@ class SuiteResult:
     reports: dict[str, ValidationReport]  # by validation scenario name
     real_runs: dict[str, list[RunData]]
     sim_runs: dict[str, RunData]
+    rounds: int  # rounds run: fewer than asked when max_duration_s cut the suite short
 
 
 def replay_order(
@@ -54,17 +59,25 @@ def run_suite(
     model: str | None = None,
     on_replay: Callable[[str], None] | None = None,
     rounds: int = DEFAULT_ROUNDS,
+    max_duration_s: float | None = None,
+    clock: Callable[[], float] = time.monotonic,
 ) -> SuiteResult:
     """Interleaved replays (``rounds`` of each scenario), fit, simulate, compare.
 
     Writes ``out_dir/<scenario name>/real-<round>`` for every scenario,
     ``out_dir/<validation name>/sim`` and ``out_dir/profile.json``. Raises what
     :func:`run_real` raises when vLLM fails.
+
+    ``max_duration_s`` bounds the replays' wall time on a slow machine: once ``MIN_ROUNDS``
+    rounds are done, no round starts that would, at the mean round time so far, end past
+    it. The result's ``rounds`` says how many ran.
     """
     if not calibration or not validation:
         raise ValueError("run_suite needs at least one calibration and one validation scenario")
     if rounds < 1:
         raise ValueError(f"rounds={rounds}: the suite needs at least one round")
+    if max_duration_s is not None and max_duration_s <= 0:
+        raise ValueError(f"max_duration_s={max_duration_s}: must be positive")
     names = [s.name for s in validation]
     all_names = [s.name for s in calibration] + names
     if len(set(all_names)) != len(all_names):
@@ -73,12 +86,25 @@ def run_suite(
     calibrating = {s.name for s in calibration}
     measured: list[RunData] = []
     reals: dict[str, list[RunData]] = {name: [] for name in names}
+    started = clock()
+    done = 0
     for round_no, scenario in replay_order(calibration, validation, rounds):
+        if round_no > done + 1:  # a round is complete
+            done += 1
+            elapsed = clock() - started
+            if (
+                max_duration_s is not None
+                and done >= MIN_ROUNDS
+                and elapsed + elapsed / done > max_duration_s
+            ):
+                break
         role = "calibration" if scenario.name in calibrating else "validation"
         if on_replay is not None:
             on_replay(f"round {round_no}/{rounds}: {role} {scenario.name}")
         run = run_real(scenario, device, model, out_dir / scenario.name / f"real-{round_no}")
         (measured if role == "calibration" else reals[scenario.name]).append(run)
+    else:
+        done = rounds
     profile = calibrate([run.path for run in measured], command="kvsim validation suite")
     profile_path = out_dir / PROFILE_NAME
     save_profile(profile, profile_path)
@@ -86,4 +112,4 @@ def run_suite(
     for scenario in validation:
         sims[scenario.name] = sim = run_sim(scenario, profile, out_dir / scenario.name / "sim")
         reports[scenario.name] = build_report(scenario, sim, reals[scenario.name], profile_path)
-    return SuiteResult(profile, measured, reports, reals, sims)
+    return SuiteResult(profile, measured, reports, reals, sims, done)

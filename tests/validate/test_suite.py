@@ -59,3 +59,34 @@ def test_suite_refuses_an_empty_side_a_reused_name_or_no_rounds(tmp_path: Path) 
         suite.run_suite([scenario], [scenario, scenario], tmp_path / "b")
     with pytest.raises(ValueError, match="at least one round"):
         suite.run_suite([scenario], [scenario], tmp_path / "c", rounds=0)
+
+
+@pytest.mark.parametrize(
+    ("max_duration_s", "rounds_run"),
+    [(None, 6), (125.0, 6), (119.0, 5), (99.0, 4), (1.0, 4)],
+)
+def test_a_time_budget_stops_starting_rounds_but_never_below_four(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_duration_s: float | None, rounds_run: int
+) -> None:
+    now = [0.0]
+
+    def fake_real(scenario: Scenario, device: str, model: str | None, out_dir: Path) -> RunData:
+        now[0] += 10.0  # every replay takes 10 s: a round of two takes 20 s
+        return fake_replay(scenario, out_dir)
+
+    monkeypatch.setattr(suite, "run_real", fake_real)
+    calibration = [load_scenario(SCENARIO_DIR / "calibration" / "prefill-sweep.yaml")]
+    validation = [load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")]
+    result = suite.run_suite(
+        calibration,
+        validation,
+        tmp_path / "suite",
+        rounds=6,
+        max_duration_s=max_duration_s,
+        clock=lambda: now[0],
+    )
+    assert result.rounds == rounds_run
+    assert len(result.calibration_runs) == rounds_run
+    assert len(result.reports["val-agentic-multiturn"].real_runs) == rounds_run
+    with pytest.raises(ValueError, match="max_duration_s=0"):
+        suite.run_suite(calibration, validation, tmp_path / "x", max_duration_s=0)
