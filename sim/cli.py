@@ -148,6 +148,57 @@ def dashboard(
     raise typer.Exit(launch(host=host, port=port, runs_dir=runs_dir, headless=headless))
 
 
+@app.command("export")
+def export_cmd(
+    source: Annotated[
+        Path, typer.Argument(help="A run directory (its scenario.yaml) or a scenario YAML.")
+    ],
+    format_: Annotated[
+        str, typer.Option("--format", help="vllm-args, vllm-yaml or triton.")
+    ] = "vllm-args",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="File to write (vllm-args, vllm-yaml) or model repository folder (triton); "
+            "default: print vllm-args/vllm-yaml to stdout."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model vLLM loads (hub name or path); default: the scenario's."),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
+    ] = None,
+) -> None:
+    """Export a scenario's engine config for rollout: vllm serve args or YAML, or Triton."""
+    from sim.export import FORMATS, export, serve_command, serve_yaml
+    from sim.scenario import check_runnable, load_scenario
+
+    try:
+        if format_ not in FORMATS:
+            raise KvsimConfigError(f"--format {format_!r}: expected one of {', '.join(FORMATS)}")
+        path = source / "scenario.yaml" if source.is_dir() else source
+        if source.is_dir() and not path.is_file():
+            raise KvsimConfigError(f"{source}: a folder without scenario.yaml (not a run)")
+        spec = load_scenario(path, set_ or [])
+        check_runnable(spec, str(path))
+        if out is None:
+            if format_ == "triton":
+                raise KvsimConfigError("--format triton writes a model repository: give --out")
+            text = serve_command(spec, model) if format_ == "vllm-args" else serve_yaml(spec, model)
+            console.out(text.rstrip("\n"), highlight=False)
+            return
+        written = export(spec, format_, out, model)
+    except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot write the export ({exc})") from None
+    for file in written:
+        console.print(f"wrote {file}", highlight=False)
+
+
 def _register_validation_commands() -> None:
     # validate/ imports vLLM lazily, inside the commands: registering them costs nothing.
     from validate import commands

@@ -1,0 +1,186 @@
+"""A scenario's engine config as the files an operator deploys.
+
+Three formats, all built from one mapping of kvsim's engine fields to vLLM's engine
+arguments (:func:`engine_args`, the same names and meaning as vLLM's ``EngineArgs``):
+
+- ``vllm-args``: the ``vllm serve MODEL --flag value ...`` command line;
+- ``vllm-yaml``: a YAML file for ``vllm serve MODEL --config FILE`` (keys are the long
+  option names, as vLLM's ``FlexibleArgumentParser.load_config_file`` reads them);
+- ``triton``: a Triton Inference Server model repository for the vLLM backend:
+  ``<name>/config.pbtxt`` (``backend: "vllm"``, the decoupled transaction policy that
+  token streaming needs, Triton's batching off) and ``<name>/1/model.json`` (the engine
+  arguments, which the backend passes to ``AsyncEngineArgs(**model_json)``).
+
+Every engine argument vLLM defaults differently from kvsim's scenario is written out, so
+the deployed engine runs the config that was simulated. The model is the preset's hub
+repository (same geometry; pass ``model=`` for your own checkpoint), or the folder of a
+local ``config.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from sim.errors import KvsimConfigError
+from sim.scenario import Scenario
+
+ExportFormat = Literal["vllm-args", "vllm-yaml", "triton"]
+FORMATS: tuple[str, ...] = ("vllm-args", "vllm-yaml", "triton")
+
+# The hub repository of each model preset (sim.config.model.MODEL_PRESETS): the base model
+# whose config.json the preset's geometry was copied from.
+PRESET_REPOS: dict[str, str] = {
+    "Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
+    "Llama-3.1-70B": "meta-llama/Llama-3.1-70B",
+    "Qwen2.5-7B": "Qwen/Qwen2.5-7B",
+    "Qwen2.5-32B": "Qwen/Qwen2.5-32B",
+    "Mistral-7B": "mistralai/Mistral-7B-v0.3",
+    "Llama-2-13B": "meta-llama/Llama-2-13b-hf",
+}
+
+
+def served_model(scenario: Scenario, model: str | None = None) -> str:
+    """What ``vllm serve`` loads: ``model`` if given, the local config's folder, or the
+    preset's hub repository."""
+    if model:
+        return model
+    if scenario.model.source_path:
+        return str(Path(scenario.model.source_path).parent)
+    repo = PRESET_REPOS.get(scenario.model.name)
+    if repo is None:
+        raise KvsimConfigError(
+            f"scenario {scenario.name!r}: model {scenario.model.name!r} has no known hub "
+            "repository; pass --model with the name or path vLLM should load"
+        )
+    return repo
+
+
+def engine_args(scenario: Scenario) -> dict[str, Any]:
+    """The scenario's engine settings as vLLM ``EngineArgs`` fields (same names, same
+    meaning), in a stable order. ``num_gpu_blocks_override`` only when the scenario pins
+    the block count."""
+    e = scenario.engine
+    if e.watermark:
+        raise KvsimConfigError(
+            f"scenario {scenario.name!r}: engine.watermark={e.watermark:g} is a what-if (V0's "
+            "admission watermark) that vLLM 0.32 has no setting for; export the config "
+            "with engine.watermark=0, the V1 behaviour"
+        )
+    args: dict[str, Any] = {
+        "block_size": e.block_size,
+        "gpu_memory_utilization": e.gpu_memory_utilization,
+        "tensor_parallel_size": e.tensor_parallel_size,
+        "max_model_len": e.max_model_len,
+        "max_num_seqs": e.max_num_seqs,
+        "max_num_batched_tokens": e.max_num_batched_tokens,
+        "enable_chunked_prefill": e.enable_chunked_prefill,
+        "long_prefill_token_threshold": e.long_prefill_token_threshold,
+        "enable_prefix_caching": e.enable_prefix_caching,
+        "scheduling_policy": e.scheduling_policy,
+    }
+    if e.num_gpu_blocks_override is not None:
+        args["num_gpu_blocks_override"] = e.num_gpu_blocks_override
+    return args
+
+
+def _provenance(scenario: Scenario) -> str:
+    e = scenario.engine
+    return (
+        f"vLLM engine config from kvsim scenario {scenario.name!r}, simulated on "
+        f"{e.tensor_parallel_size} x {scenario.hardware.name}"
+    )
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def serve_argv(scenario: Scenario, model: str | None = None) -> list[str]:
+    """``vllm serve`` and its arguments, one list item per shell word."""
+    argv = ["vllm", "serve", served_model(scenario, model)]
+    for name, value in engine_args(scenario).items():
+        if isinstance(value, bool):
+            # vLLM declares these with argparse.BooleanOptionalAction: --x / --no-x.
+            argv.append(_flag(name) if value else "--no-" + _flag(name)[2:])
+        else:
+            argv += [_flag(name), str(value)]
+    return argv
+
+
+def serve_command(scenario: Scenario, model: str | None = None) -> str:
+    """The ``vllm serve`` command line, quoted for a POSIX shell."""
+    return shlex.join(serve_argv(scenario, model))
+
+
+def serve_yaml(scenario: Scenario, model: str | None = None) -> str:
+    """A config file for ``vllm serve --config``; the model is named in its first line."""
+    keys = {name.replace("_", "-"): value for name, value in engine_args(scenario).items()}
+    head = (
+        f"# {_provenance(scenario)}\n"
+        f"# usage: vllm serve {shlex.quote(served_model(scenario, model))} --config THIS_FILE\n"
+    )
+    return head + yaml.safe_dump(keys, sort_keys=False)
+
+
+def triton_model_json(scenario: Scenario, model: str | None = None) -> dict[str, Any]:
+    """``model.json`` of Triton's vLLM backend: ``AsyncEngineArgs`` keyword arguments."""
+    return {"model": served_model(scenario, model), **engine_args(scenario)}
+
+
+def triton_config_pbtxt(name: str, scenario: Scenario) -> str:
+    """``config.pbtxt`` for Triton's vLLM backend. One instance of kind KIND_MODEL: the
+    engine places itself on its ``tensor_parallel_size`` GPUs (KIND_GPU is single-GPU)."""
+    return (
+        f'name: "{name}"\n'
+        'backend: "vllm"\n'
+        "# vLLM batches on its own: Triton's batching is off.\n"
+        "max_batch_size: 0\n"
+        "# Token streaming needs the decoupled transaction policy.\n"
+        "model_transaction_policy {\n  decoupled: true\n}\n"
+        'input [\n  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },\n'
+        '  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true },\n'
+        '  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true }\n'
+        "]\n"
+        'output [\n  { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] }\n]\n'
+        f"# tensor_parallel_size={scenario.engine.tensor_parallel_size}: the engine takes "
+        "its GPUs itself.\n"
+        "instance_group [\n  {\n    count: 1\n    kind: KIND_MODEL\n  }\n]\n"
+    )
+
+
+def triton_model_name(scenario: Scenario) -> str:
+    """A Triton model name from the scenario's name: letters, digits, ``-`` and ``_``."""
+    name = "".join(c if c.isalnum() or c in "-_" else "_" for c in scenario.name).strip("_")
+    return name or "kvsim_model"
+
+
+def export(scenario: Scenario, fmt: str, out: Path, model: str | None = None) -> list[Path]:
+    """Write ``scenario``'s engine config to ``out`` in ``fmt``; returns the files written.
+
+    ``vllm-args`` and ``vllm-yaml`` write one file at ``out``; ``triton`` writes a model
+    repository under the folder ``out``. Never overwrites: an existing ``out`` is an error.
+    """
+    if fmt not in FORMATS:
+        raise KvsimConfigError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
+    if out.exists():
+        raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites an export")
+    if fmt == "vllm-args":
+        text = f"#!/bin/sh\n# {_provenance(scenario)}\n"
+        out.write_text(text + serve_command(scenario, model) + "\n")
+        return [out]
+    if fmt == "vllm-yaml":
+        out.write_text(serve_yaml(scenario, model))
+        return [out]
+    name = triton_model_name(scenario)
+    version_dir = out / name / "1"
+    version_dir.mkdir(parents=True)
+    config = out / name / "config.pbtxt"
+    config.write_text(triton_config_pbtxt(name, scenario))
+    model_json = version_dir / "model.json"
+    model_json.write_text(json.dumps(triton_model_json(scenario, model), indent=2) + "\n")
+    return [config, model_json]
