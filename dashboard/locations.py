@@ -29,6 +29,6 @@ def runs_dir(argv: list[str] | None = None) -> Path:
 
 
 def list_sweeps(base: Path) -> list[Path]:
-    """``sweep.json`` files under ``base/sweeps/*/`` (there is no sweep command yet)."""
+    """``sweep.json`` files under ``base/sweeps/*/`` (``kvsim sweep`` folders and others)."""
     root = base / SWEEPS
     return sorted(root.glob(f"*/{SWEEP_FILE}")) if root.is_dir() else []

@@ -199,6 +199,81 @@ def export_cmd(
         console.print(f"wrote {file}", highlight=False)
 
 
+@app.command()
+def sweep(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML to sweep.")],
+    grid: Annotated[
+        list[str],
+        typer.Option(
+            help="FIELD=V1,V2,... (repeatable): the sweep runs the cross product of all grids."
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Sweep folder; re-running the same command there resumes.")
+    ],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field in every point, e.g. --set seed=7."),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes (default: every local core).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Run a scenario over a grid of overrides in parallel; resumable; one results table."""
+    from rich.progress import MofNCompleteColumn, TimeRemainingColumn
+
+    from sim.sweep import RESULTS_FILE, default_workers, plan_sweep, run_sweep
+
+    plan = None
+    try:
+        plan = plan_sweep(scenario, grid, set_ or [], out)
+        pending = plan.pending()
+        total = len(plan.points)
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[failed]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            disable=quiet or not err_console.is_terminal,
+        ) as bar:
+            task = bar.add_task(
+                f"sweep {scenario.name}", total=total, completed=total - len(pending), failed=""
+            )
+            failures: list[str] = []
+
+            def finished(point: object, error: str | None) -> None:
+                if error is not None:
+                    failures.append(error)
+                failed = f"[red]{len(failures)} failed[/red]" if failures else ""
+                bar.update(task, advance=1, failed=failed)
+
+            table = run_sweep(plan, workers or default_workers(), finished)
+    except KeyboardInterrupt:
+        if plan is not None:
+            total = len(plan.points)
+            err_console.print(
+                f"interrupted: {total - len(plan.pending())} of {total} points done and kept "
+                f"in {out}; run the same command again to finish the rest",
+                highlight=False,
+            )
+        raise typer.Exit(130) from None
+    except (KvsimConfigError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot write the sweep ({exc})") from None
+    failed = table[table["status"] == "failed"]
+    console.print(
+        f"{len(table) - len(failed)} of {len(table)} points ran"
+        + (f", {len(failed)} failed (see the error column)" if len(failed) else "")
+        + f"; results: {out / RESULTS_FILE}",
+        highlight=False,
+    )
+
+
 def _register_validation_commands() -> None:
     # validate/ imports vLLM lazily, inside the commands: registering them costs nothing.
     from validate import commands

@@ -1,7 +1,9 @@
-"""Sweeps: a plain reader of ``<runs dir>/sweeps/*/sweep.json``.
+"""Sweeps: the folders under ``<runs dir>/sweeps/`` that hold a ``sweep.json``.
 
-kvsim has no sweep command yet; this page only appears in the navigation once such files
-exist, and shows each one as written: its parameters and a table of its result records.
+For a ``kvsim sweep`` folder (``kvsim sweep ... --out <runs dir>/sweeps/NAME``) it shows the
+grid and ``results.parquet``: one row per point, its overrides, metrics, SLO verdicts and
+status. Any other ``sweep.json`` is shown as written. The page only appears in the
+navigation once such a folder exists.
 """
 
 # ruff: noqa: E402 (imports after the title, on purpose)
@@ -17,10 +19,11 @@ import pandas as pd
 from dashboard.errors import show_error
 from dashboard.loaders import load_json
 from dashboard.locations import list_sweeps, runs_dir
+from sim.sweep import RESULTS_FILE
 
 st.caption(
-    "A simple reader of `sweeps/*/sweep.json` files under the runs directory. kvsim has no "
-    "sweep command yet; this page shows whatever those files hold."
+    "Sweeps under the runs directory's `sweeps/` folder: run one with "
+    "`kvsim sweep SCENARIO --grid FIELD=V1,V2 --out <runs dir>/sweeps/NAME`."
 )
 files = list_sweeps(runs_dir())
 if not files:
@@ -33,6 +36,21 @@ for file in files:
         data = load_json(file)
     except Exception as exc:
         show_error(exc, str(file), str(file.resolve()))
+        continue
+    results = file.parent / RESULTS_FILE
+    if isinstance(data, dict) and data.get("kind") == "kvsim sweep" and results.is_file():
+        st.caption(
+            f"`{data.get('scenario')}` over "
+            + ", ".join(f"`{f}` in {v}" for f, v in (data.get("grid") or {}).items())
+        )
+        try:
+            table = pd.read_parquet(results)
+        except Exception as exc:
+            show_error(exc, str(results), str(results.resolve()))
+            continue
+        failed = int((table.get("status") == "failed").sum()) if "status" in table else 0
+        st.write(f"{len(table)} points, {failed} failed")
+        st.dataframe(table, hide_index=True, key=f"sweep-{file.parent.name}")
         continue
     records = None
     if isinstance(data, list):

@@ -224,6 +224,28 @@ def test_sweeps_page_only_with_sweep_results(
     assert list(at.dataframe[0].value.columns) == ["value", "ok"]
 
 
+def test_sweeps_page_shows_a_kvsim_sweeps_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sim.sweep import plan_sweep, run_sweep
+
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
+    scenario = Path(__file__).resolve().parents[2] / "scenarios" / "agent-burst.yaml"
+    plan = plan_sweep(
+        scenario,
+        ["engine.max_num_seqs=8,16"],
+        ["workload.sessions=3", "workload.turns.value=2"],
+        tmp_path / "sweeps" / "seqs",
+    )
+    table = run_sweep(plan, 1)
+    at = _page(_app(), "sweeps")
+    assert not at.exception, at.exception
+    shown = at.dataframe[0].value
+    assert list(shown["engine.max_num_seqs"]) == [8, 16]
+    assert list(shown["ttft_p99_s"]) == list(table["ttft_p99_s"])
+    assert "2 points, 0 failed" in " ".join(m.value for m in at.markdown)
+
+
 # --- Every failure is one readable message, never a traceback --------------------------------
 
 TINY_CONFIG = Path(__file__).resolve().parents[2] / "validate" / "models" / "tiny-llama"

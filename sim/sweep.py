@@ -1,0 +1,313 @@
+"""Sweeps: one scenario over the cross product of a grid of overrides, in parallel, resumable.
+
+A sweep folder holds:
+
+- ``sweep.json``: what the sweep is (scenario file and its SHA-256, ``--set`` overrides, the
+  grid, every point's id and overrides). Re-running the same command on the same folder
+  resumes; a different sweep is refused.
+- ``points/<id>/``: each finished point's run directory (as ``kvsim run`` writes it),
+  renamed into place by the worker once complete; ``points/<id>.error.json`` for a point
+  that failed (its one-paragraph error). Either one marks the point done: a resumed sweep
+  runs only the others, so a killed sweep (SIGINT or SIGKILL) loses no finished point and
+  runs none twice.
+- ``results.parquet``: one row per point (its overrides, key metrics, SLO verdicts, status,
+  error and run directory), rebuilt from ``points/`` whenever the sweep ends.
+
+Points run in worker processes (all local cores by default); each point is deterministic
+(the scenario's seed), so the table does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import os
+import shutil
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from sim.config.loading import load_yaml
+from sim.errors import KvsimConfigError, short_repr
+from sim.scenario import check_runnable, load_scenario
+
+SWEEP_FILE = "sweep.json"
+RESULTS_FILE = "results.parquet"
+POINTS_DIR = "points"
+LOCK_FILE = ".sweep.lock"
+ERROR_SUFFIX = ".error.json"
+MAX_POINTS = 10_000
+
+# results.parquet's metric columns: (column, path in summary.json).
+METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("num_requests", ("num_requests",)),
+    ("num_finished", ("num_finished",)),
+    ("duration_s", ("duration_s",)),
+    ("ttft_p50_s", ("metrics", "vllm:time_to_first_token_seconds", "p50")),
+    ("ttft_p99_s", ("metrics", "vllm:time_to_first_token_seconds", "p99")),
+    ("itl_p50_s", ("metrics", "vllm:inter_token_latency_seconds", "p50")),
+    ("itl_p99_s", ("metrics", "vllm:inter_token_latency_seconds", "p99")),
+    ("e2e_p50_s", ("metrics", "vllm:e2e_request_latency_seconds", "p50")),
+    ("e2e_p99_s", ("metrics", "vllm:e2e_request_latency_seconds", "p99")),
+    ("output_throughput_tok_s", ("metrics", "output_throughput_tok_s")),
+    ("request_throughput_req_s", ("metrics", "request_throughput_req_s")),
+    ("goodput_req_s", ("metrics", "goodput_req_s")),
+    ("slo_attainment", ("metrics", "slo_attainment")),
+    ("preemptions", ("metrics", "vllm:num_preemptions", "total")),
+    ("prefix_cache_hit_rate", ("metrics", "prefix_cache_hit_rate")),
+    ("kv_usage_mean", ("metrics", "vllm:kv_cache_usage_perc", "mean")),
+    ("kv_usage_peak", ("metrics", "vllm:kv_cache_usage_perc", "peak")),
+    ("peak_concurrent_sessions", ("metrics", "peak_concurrent_sessions")),
+)
+
+
+@dataclass(frozen=True)
+class Point:
+    id: str
+    overrides: tuple[str, ...]  # "field=value", in grid order
+
+
+@dataclass(frozen=True)
+class SweepPlan:
+    out: Path
+    scenario: Path
+    sets: tuple[str, ...]
+    grid: tuple[tuple[str, tuple[str, ...]], ...]
+    points: tuple[Point, ...]
+
+    def pending(self) -> list[Point]:
+        """Points with neither a run directory nor an error file."""
+        return [p for p in self.points if not point_done(self.out, p.id)]
+
+
+def parse_grid(specs: list[str]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``["engine.max_num_seqs=64,128", ...]`` as ((field, values), ...); refuses a grid
+    without ``=``, an empty value, a repeated value or a field given twice."""
+    axes: list[tuple[str, tuple[str, ...]]] = []
+    for spec in specs:
+        field, sep, raw = spec.partition("=")
+        field = field.strip()
+        if not sep or not field:
+            raise KvsimConfigError(
+                f"--grid {short_repr(spec)}: expected FIELD=V1,V2,..., e.g. "
+                "engine.max_num_seqs=64,128,256"
+            )
+        values = tuple(v.strip() for v in raw.split(","))
+        if not all(values):
+            raise KvsimConfigError(f"--grid {short_repr(spec)}: an empty value in the list")
+        if len(set(values)) != len(values):
+            raise KvsimConfigError(f"--grid {short_repr(spec)}: a value is listed twice")
+        if field in (f for f, _ in axes):
+            raise KvsimConfigError(f"--grid {field}: given twice; list every value in one --grid")
+        axes.append((field, values))
+    if not axes:
+        raise KvsimConfigError("no --grid given: a sweep needs at least one FIELD=V1,V2,...")
+    return tuple(axes)
+
+
+def _file_sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def plan_sweep(scenario: Path, grid_specs: list[str], sets: list[str], out: Path) -> SweepPlan:
+    """Check the grid against the scenario and write (or, resuming, check) ``sweep.json``.
+
+    Every point's scenario is checked first. A grid value with which no point loads (an
+    unknown field, a value of the wrong type, or one no combination makes possible) is
+    refused here, naming it; a combination of otherwise good values that makes an
+    impossible config (say a token budget below ``max_num_seqs``) is a failed point,
+    recorded with its error.
+    """
+    grid = parse_grid(grid_specs)
+    load_scenario(scenario, sets)  # the base scenario itself must load
+    combos = list(itertools.product(*(values for _, values in grid)))
+    if len(combos) > MAX_POINTS:
+        raise KvsimConfigError(
+            f"--grid: {len(combos):,} points, over the {MAX_POINTS:,} one sweep may have"
+        )
+    points = tuple(
+        Point(f"p{i:04d}", tuple(f"{f}={v}" for (f, _), v in zip(grid, combo, strict=True)))
+        for i, combo in enumerate(combos)
+    )
+    errors: dict[str, str] = {}
+    for point in points:
+        try:
+            load_scenario(scenario, [*sets, *point.overrides])
+        except KvsimConfigError as exc:
+            errors[point.id] = str(exc)
+    for axis, (field, values) in enumerate(grid):
+        for value in values:
+            with_value = [p for p in points if p.overrides[axis] == f"{field}={value}"]
+            if all(p.id in errors for p in with_value):
+                raise KvsimConfigError(
+                    f"--grid {field}: value {short_repr(value)} makes every point it is in "
+                    f"impossible: {errors[with_value[0].id]}"
+                )
+    plan = SweepPlan(out, scenario, tuple(sets), grid, points)
+    document = {
+        "kind": "kvsim sweep",
+        "scenario": str(scenario),
+        "scenario_sha256": _file_sha256(scenario),
+        "sets": list(sets),
+        "grid": {field: list(values) for field, values in grid},
+        "points": [{"id": p.id, "overrides": list(p.overrides)} for p in points],
+    }
+    spec_file = out / SWEEP_FILE
+    if spec_file.exists():
+        try:
+            existing = json.loads(spec_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise KvsimConfigError(f"--out {out}: unreadable {SWEEP_FILE} ({exc})") from None
+        if existing != document:
+            raise KvsimConfigError(
+                f"--out {out} holds another sweep (its scenario, --set or --grid differ, or "
+                "the scenario file changed); resume it with its own command, or give a new --out"
+            )
+    elif out.exists() and any(out.iterdir()):
+        raise KvsimConfigError(f"--out {out}: exists and is not a sweep folder")
+    else:
+        (out / POINTS_DIR).mkdir(parents=True, exist_ok=True)
+        _write_atomic(spec_file, json.dumps(document, indent=2) + "\n")
+    return plan
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def point_done(out: Path, point_id: str) -> bool:
+    points = out / POINTS_DIR
+    return (points / point_id).is_dir() or (points / f"{point_id}{ERROR_SUFFIX}").is_file()
+
+
+def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) -> str | None:
+    """Simulate one point and persist it; returns its error (None when it ran). Runs in a
+    worker process: the run directory is written aside and renamed into place complete."""
+    from sim.runner import simulate
+
+    points = out / POINTS_DIR
+    tmp = points / f".tmp-{point.id}-{os.getpid()}"
+    try:
+        spec = load_scenario(scenario, [*sets, *point.overrides])
+        check_runnable(spec, str(scenario))
+        result = simulate(spec)
+        if result.summary["num_requests"] == 0:
+            raise KvsimConfigError(
+                f"no request arrived before limits.max_duration_s={spec.limits.max_duration_s:g} s"
+            )
+        result.write(tmp)
+        os.replace(tmp, points / point.id)
+        return None
+    except Exception as exc:  # a failed point is recorded and the sweep goes on
+        shutil.rmtree(tmp, ignore_errors=True)
+        error = str(exc) if isinstance(exc, KvsimConfigError) else f"{type(exc).__name__}: {exc}"
+        _write_atomic(
+            points / f"{point.id}{ERROR_SUFFIX}",
+            json.dumps({"id": point.id, "overrides": list(point.overrides), "error": error}),
+        )
+        return error
+
+
+@contextmanager
+def sweep_lock(out: Path) -> Iterator[None]:
+    """Hold the sweep folder: a second ``kvsim sweep`` on it is refused while this runs."""
+    with (out / LOCK_FILE).open("w") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise KvsimConfigError(
+                f"--out {out}: another kvsim sweep is running on this folder"
+            ) from None
+        yield
+
+
+def run_sweep(
+    plan: SweepPlan,
+    workers: int,
+    on_point: Callable[[Point, str | None], None] | None = None,
+) -> pd.DataFrame:
+    """Run the plan's pending points on ``workers`` processes, then write and return the
+    results table. ``on_point(point, error)`` runs in this process as each point finishes."""
+    if workers < 1:
+        raise KvsimConfigError(f"--workers {workers}: must be at least 1")
+    with sweep_lock(plan.out):
+        for stale in (plan.out / POINTS_DIR).glob(".tmp-*"):  # a killed worker's leftovers
+            shutil.rmtree(stale, ignore_errors=True)
+        pending = plan.pending()
+        if pending:
+            with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
+                futures: dict[Future[str | None], Point] = {
+                    pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p
+                    for p in pending
+                }
+                try:
+                    while futures:
+                        done, _ = wait(futures, return_when=FIRST_COMPLETED)
+                        for future in done:
+                            point = futures.pop(future)
+                            if on_point is not None:
+                                on_point(point, future.result())
+                except BaseException:
+                    pool.shutdown(wait=False, cancel_futures=True)
+                    raise
+        return write_results(plan)
+
+
+def _dig(document: Any, path: tuple[str, ...]) -> Any:
+    for key in path:
+        if not isinstance(document, dict):
+            return None
+        document = document.get(key)
+    return document
+
+
+def point_record(plan: SweepPlan, point: Point) -> dict[str, Any]:
+    """One results row: the point's overrides (typed), status, error, metrics, SLOs."""
+    row: dict[str, Any] = {"point": point.id}
+    for assignment in point.overrides:
+        field, _, raw = assignment.partition("=")
+        row[field] = load_yaml(raw, f"--grid {field}")
+    points = plan.out / POINTS_DIR
+    run_dir = points / point.id
+    error_file = points / f"{point.id}{ERROR_SUFFIX}"
+    if run_dir.is_dir():
+        summary = json.loads((run_dir / "summary.json").read_text())
+        row.update(status="ok", error=None, run_dir=str(run_dir))
+        row.update({column: _dig(summary, path) for column, path in METRICS})
+        slos = summary.get("slos") or {}
+        for name, verdict in slos.items():
+            row[f"slo_{name}_pass"] = bool(verdict.get("pass"))
+        row["slo_pass"] = all(v.get("pass") for v in slos.values()) if slos else None
+    elif error_file.is_file():
+        row.update(status="failed", error=json.loads(error_file.read_text())["error"])
+        row["run_dir"] = None
+    else:
+        row.update(status="pending", error=None, run_dir=None)
+    return row
+
+
+def write_results(plan: SweepPlan) -> pd.DataFrame:
+    """Build ``results.parquet`` from the points folder (atomically) and return it."""
+    table = pd.DataFrame([point_record(plan, p) for p in plan.points])
+    path = plan.out / RESULTS_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    table.to_parquet(tmp, index=False)
+    os.replace(tmp, path)
+    return table
+
+
+def default_workers() -> int:
+    """Every core this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1

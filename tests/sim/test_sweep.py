@@ -1,0 +1,179 @@
+"""`kvsim sweep`: the cross product of a grid, in worker processes, resumable after a kill,
+one results table; bad grids are one clear error."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli import app
+from sim.errors import KvsimConfigError
+from sim.runner import simulate
+from sim.scenario import SCENARIO_DIR, load_scenario
+from sim.sweep import (
+    POINTS_DIR,
+    RESULTS_FILE,
+    SWEEP_FILE,
+    parse_grid,
+    plan_sweep,
+    run_sweep,
+    sweep_lock,
+)
+
+runner = CliRunner()
+SCENARIO = SCENARIO_DIR / "agent-burst.yaml"
+SMALL = ["workload.sessions=6", "workload.turns.value=3"]
+GRID = ["engine.max_num_seqs=8,16", "engine.max_num_batched_tokens=8,2048"]
+
+
+def run(*args: str) -> tuple[int, str]:
+    result = runner.invoke(app, list(args))
+    return result.exit_code, " ".join(result.output.split())
+
+
+def sweep_args(out: Path, *extra: str) -> list[str]:
+    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet"]
+    for grid in GRID:
+        args += ["--grid", grid]
+    for assignment in SMALL:
+        args += ["--set", assignment]
+    return [*args, *extra]
+
+
+def test_every_point_matches_its_own_simulation_and_an_impossible_one_is_recorded(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sweep"
+    code, text = run(*sweep_args(out, "--workers", "2"))
+    assert code == 0, text
+    assert "3 of 4 points ran, 1 failed" in text
+    table = pd.read_parquet(out / RESULTS_FILE)
+    assert list(table["point"]) == ["p0000", "p0001", "p0002", "p0003"]
+    assert list(table["engine.max_num_seqs"]) == [8, 8, 16, 16]
+    assert list(table["engine.max_num_batched_tokens"]) == [8, 2048, 8, 2048]
+    assert list(table["status"]) == ["ok", "ok", "failed", "ok"]
+    failed = table.iloc[2]
+    assert "engine.max_num_batched_tokens (8) must be greater than or equal to" in failed.error
+    for _, row in table[table["status"] == "ok"].iterrows():
+        overrides = [
+            f"engine.max_num_seqs={row['engine.max_num_seqs']}",
+            f"engine.max_num_batched_tokens={row['engine.max_num_batched_tokens']}",
+        ]
+        summary = simulate(load_scenario(SCENARIO, [*SMALL, *overrides])).summary
+        ttft = summary["metrics"]["vllm:time_to_first_token_seconds"]
+        assert row["ttft_p99_s"] == ttft["p99"]
+        assert row["num_finished"] == summary["num_finished"]
+        assert row["preemptions"] == summary["metrics"]["vllm:num_preemptions"]["total"]
+        assert row["slo_pass"] == all(v["pass"] for v in summary["slos"].values())
+        assert json.loads((Path(row["run_dir"]) / "summary.json").read_text()) == summary
+
+
+def test_a_killed_sweep_resumes_without_running_a_finished_point_again(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-c", "from sim.cli import app; app()", *sweep_args(out)]
+    cmd += ["--workers", "1", "--set", "workload.sessions=20"]
+    proc = subprocess.Popen(cmd, start_new_session=True, cwd=Path(__file__).parents[2])
+    first = out / POINTS_DIR / "p0000"
+    deadline = time.monotonic() + 120
+    while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the sweep and its worker, mid-run
+    proc.wait()
+    assert first.is_dir()
+    done = {p.name: p.stat().st_ino for p in (out / POINTS_DIR).iterdir()}
+    plan = plan_sweep(SCENARIO, GRID, [*SMALL, "workload.sessions=20"], out)
+    pending = {p.id for p in plan.pending()}
+    assert pending and "p0000" not in pending
+    ran: list[str] = []
+    table = run_sweep(plan, 2, lambda point, error: ran.append(point.id))
+    assert sorted(ran) == sorted(pending)  # only what was not done, each once
+    for name, inode in done.items():
+        if not name.startswith("."):
+            assert (out / POINTS_DIR / name).stat().st_ino == inode  # never rewritten
+    assert not list((out / POINTS_DIR).glob(".tmp-*"))
+    assert list(table["status"]) == ["ok", "ok", "failed", "ok"]
+    # Running the finished sweep again runs nothing and gives the same table.
+    ran.clear()
+    again = run_sweep(plan_sweep(SCENARIO, GRID, [*SMALL, "workload.sessions=20"], out), 2)
+    pd.testing.assert_frame_equal(again, table)
+
+
+def test_sigint_keeps_finished_points_and_says_how_to_resume(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "-c", "from sim.cli import app; app()", *sweep_args(out)]
+    cmd += ["--workers", "1", "--set", "workload.sessions=20"]
+    proc = subprocess.Popen(
+        cmd,
+        start_new_session=True,
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    first = out / POINTS_DIR / "p0000"
+    deadline = time.monotonic() + 120
+    while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the sweep and its workers
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "run the same command again to finish the rest" in " ".join(output.split())
+    assert "Traceback" not in output
+    assert first.is_dir()
+
+
+def test_another_sweep_in_the_same_folder_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    plan_sweep(SCENARIO, GRID, SMALL, out)
+    code, text = run(
+        "sweep", str(SCENARIO), "--out", str(out), "--grid", "engine.max_num_seqs=8,32"
+    )
+    assert code == 2 and "holds another sweep" in text
+    with (
+        sweep_lock(out),
+        pytest.raises(KvsimConfigError, match="another kvsim sweep is running"),
+    ):
+        run_sweep(plan_sweep(SCENARIO, GRID, SMALL, out), 1)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    code, text = run("sweep", str(SCENARIO), "--out", str(other), "--grid", GRID[0])
+    assert code == 2 and "is not a sweep folder" in text
+    assert json.loads((out / SWEEP_FILE).read_text())["grid"] == {
+        "engine.max_num_seqs": ["8", "16"],
+        "engine.max_num_batched_tokens": ["8", "2048"],
+    }
+
+
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ("engine.max_num_seqs", "--grid 'engine.max_num_seqs': expected FIELD=V1,V2,..."),
+        ("engine.max_num_seqs=8,,16", "an empty value in the list"),
+        ("engine.max_num_seqs=8,8", "a value is listed twice"),
+        ("engine.bogus=1,2", "--grid engine.bogus: value '1' makes every point it is in"),
+        ("engine.max_num_seqs=8,many", "value 'many' makes every point it is in impossible"),
+        ("engine.enable_prefix_caching=true,maybe", "value 'maybe'"),
+    ],
+)
+def test_a_bad_grid_is_one_clear_error(tmp_path: Path, grid: str, message: str) -> None:
+    code, text = run("sweep", str(SCENARIO), "--out", str(tmp_path / "s"), "--grid", grid)
+    assert code == 2 and message in text and "Traceback" not in text
+    assert not (tmp_path / "s").exists()
+
+
+def test_grid_parsing() -> None:
+    assert parse_grid(["a.b=1, 2", "c=x"]) == (("a.b", ("1", "2")), ("c", ("x",)))
+    with pytest.raises(KvsimConfigError, match="given twice"):
+        parse_grid(["a=1", "a=2"])
+    with pytest.raises(KvsimConfigError, match="no --grid given"):
+        parse_grid([])
