@@ -274,6 +274,95 @@ def sweep(
     )
 
 
+@app.command()
+def capacity(
+    scenario: Annotated[
+        Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
+    ] = None,
+    slo: Annotated[
+        list[str] | None,
+        typer.Option(help="An SLO bound, e.g. --slo ttft_p99_s=2 (default: the scenario's)."),
+    ] = None,
+    knob: Annotated[
+        str | None,
+        typer.Option(help="Load field to search (default: sessions, or the arrival rate)."),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write capacity.json (answer and curve) here.")
+    ] = None,
+) -> None:
+    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
+    import json
+
+    from rich.table import Table
+
+    from sim.capacity import Knob, default_knob, find_capacity
+    from sim.runner import simulate
+    from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
+
+    source = scenario or DEFAULT_SCENARIO
+    try:
+        overrides = [*(set_ or []), *(f"slos.{bound}" for bound in slo or [])]
+        spec = load_scenario(source, overrides)
+        check_runnable(spec, str(source))
+        if not spec.slos.model_dump(exclude_none=True):
+            raise KvsimConfigError(
+                f"{source}: no SLO to hold; give one, e.g. --slo ttft_p99_s=2 --slo itl_p99_s=0.1"
+            )
+        the_knob = default_knob(spec)
+        if knob is not None:
+            the_knob = Knob(knob, False, knob, 1e-9, 1e9)
+        if out is not None and out.exists():
+            raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
+
+        def progress(point: object) -> None:
+            p = point  # a sim.capacity.LoadPoint
+            verdict = "holds" if p.holds else "fails: " + "; ".join(p.failed)
+            err_console.print(f"  {the_knob.field}={p.load:g}: {verdict}", highlight=False)
+
+        err_console.print(f"searching {the_knob.field} ({the_knob.unit}) of {spec.name}...")
+        result = find_capacity(spec, lambda s: simulate(s).summary, the_knob, progress)
+    except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    table = Table(title=f"{spec.name}: latency vs {the_knob.field}")
+    for column in ("load", "holds", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "E2E p99 s",
+                   "tok/s", "preempt", "peak sessions"):  # fmt: skip
+        table.add_column(column, justify="right")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3g}"
+
+    for p in result.curve:
+        table.add_row(
+            f"{p.load:g}", "yes" if p.holds else "[red]no[/red]", ms(p.ttft_p50_s),
+            ms(p.ttft_p99_s), ms(p.itl_p99_s), ms(p.e2e_p99_s),
+            "-" if p.output_throughput_tok_s is None else f"{p.output_throughput_tok_s:,.0f}",
+            str(p.preemptions), str(p.peak_concurrent_sessions),
+        )  # fmt: skip
+    console.print(table)
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in spec.slos.model_dump(exclude_none=True).items())
+    if result.first_failing is None:
+        answer = f"holds at {result.capacity:g} {the_knob.unit}, the most tried"
+    else:
+        answer = (
+            f"capacity: {result.capacity:g} {the_knob.unit} ({the_knob.field}); "
+            f"{result.first_failing:g} fails"
+        )
+    console.print(f"{answer}, with {bounds} and every request finished", highlight=False)
+    if result.knee is not None:
+        console.print(f"knee of the p99 TTFT curve: {result.knee:g}", highlight=False)
+    console.print(f"{len(result.curve)} simulations", highlight=False)
+    if out is not None:
+        out.mkdir(parents=True)
+        document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **result.to_json()}
+        (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"written to {out / 'capacity.json'}", highlight=False)
+
+
 def _register_validation_commands() -> None:
     # validate/ imports vLLM lazily, inside the commands: registering them costs nothing.
     from validate import commands

@@ -1,0 +1,128 @@
+"""`kvsim capacity`: bracket-and-bisect on the load knob, the curve, the knee, clear errors."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.capacity import Knob, default_knob, find_capacity, knee, load_point
+from sim.cli import app
+from sim.errors import KvsimConfigError
+from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
+
+runner = CliRunner()
+BURST = SCENARIO_DIR / "agent-burst.yaml"
+CODING = SCENARIO_DIR / "coding-agents-8b-h100.yaml"
+
+
+def fake_summary(ttft_p99_s: float, finished: int = 10, requests: int = 10) -> dict[str, Any]:
+    target = 1.0
+    return {
+        "num_requests": requests,
+        "num_finished": finished,
+        "slos": {
+            "ttft_p99_s": {"target": target, "value": ttft_p99_s, "pass": ttft_p99_s <= target}
+        },
+        "metrics": {"vllm:time_to_first_token_seconds": {"p50": ttft_p99_s / 2, "p99": ttft_p99_s}},
+    }
+
+
+def loaded(field: str) -> Callable[[Scenario], dict[str, Any]]:
+    """A deployment whose p99 TTFT is load / 100 s: it holds up to a load of 100."""
+
+    def simulate_summary(spec: Scenario) -> dict[str, Any]:
+        node: Any = spec
+        for key in field.split("."):
+            node = getattr(node, key)
+        return fake_summary(float(node) / 100)
+
+    return simulate_summary
+
+
+def test_sessions_are_bisected_to_one_session() -> None:
+    spec = load_scenario(BURST, ["workload.sessions=30"])
+    seen: list[float] = []
+    result = find_capacity(
+        spec, loaded("workload.sessions"), on_point=lambda p: seen.append(p.load)
+    )
+    assert result.knob.field == "workload.sessions"
+    assert (result.capacity, result.first_failing) == (100, 101)
+    assert seen[:4] == [30, 60, 120, 90]  # doubling brackets, then bisection
+    assert [p.load for p in result.curve] == sorted(seen) and len(seen) == len(set(seen))
+    assert all(p.holds == (p.load <= 100) for p in result.curve)
+
+
+def test_a_rate_is_bisected_to_two_percent_and_an_overload_halves_first() -> None:
+    spec = load_scenario(CODING, ["workload.session_arrival.rate_per_s=500"])
+    result = find_capacity(spec, loaded("workload.session_arrival.rate_per_s"))
+    assert result.knob.unit == "sessions/s"
+    assert result.curve[0].load < 100 < 500 and result.curve[-1].load == 500
+    assert result.capacity <= 100 < result.first_failing
+    assert result.first_failing / result.capacity - 1 <= 0.02
+
+
+def test_unfinished_requests_mean_the_load_does_not_hold() -> None:
+    point = load_point(5, fake_summary(0.1, finished=9))
+    assert not point.holds and point.failed == ["1 of 10 requests unfinished at the limit"]
+
+
+def test_an_slo_no_load_meets_names_the_bound_at_the_lightest_load() -> None:
+    spec = load_scenario(BURST, ["workload.sessions=4"])
+    with pytest.raises(KvsimConfigError) as err:
+        find_capacity(spec, lambda s: fake_summary(3.0))
+    message = str(err.value)
+    assert "the SLOs hold at no load tried" in message
+    assert "workload.sessions=1: ttft_p99_s 3 > 1" in message
+
+
+def test_knee_is_where_p99_ttft_leaves_its_line() -> None:
+    points = [load_point(x, fake_summary(y)) for x, y in [(1, 0.1), (2, 0.11), (3, 0.13), (4, 2.0)]]
+    assert knee(points) == 3
+    assert knee(points[:2]) is None
+
+
+def test_default_knobs() -> None:
+    assert default_knob(load_scenario(BURST)).field == "workload.sessions"
+    assert default_knob(load_scenario(CODING)).field == "workload.session_arrival.rate_per_s"
+    open_loop = load_scenario(SCENARIO_DIR / "chat-rag-baseline.yaml")
+    assert default_knob(open_loop).field.startswith("workload.")
+    with pytest.raises(KvsimConfigError, match="not a field of this scenario"):
+        find_capacity(open_loop, loaded("x"), Knob("workload.nope", True, "", 1, 10))
+
+
+def test_cli_finds_the_capacity_and_writes_the_curve(tmp_path: Path) -> None:
+    out = tmp_path / "cap"
+    result = runner.invoke(
+        app,
+        ["capacity", str(BURST), "--set", "workload.sessions=4", "--set", "workload.turns.value=2",
+         "--slo", "ttft_p99_s=0.25", "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    document = json.loads((out / "capacity.json").read_text())
+    assert document["slos"]["ttft_p99_s"] == 0.25
+    capacity, failing = document["capacity"], document["first_failing"]
+    assert failing == capacity + 1
+    curve = {p["load"]: p for p in document["curve"]}
+    assert curve[capacity]["holds"] and not curve[failing]["holds"]
+    assert curve[capacity]["ttft_p99_s"] <= 0.25 < curve[failing]["ttft_p99_s"]
+    assert f"capacity: {capacity:g} concurrent sessions" in " ".join(result.output.split())
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--slo", "ttft_p99_s=-1"], "slos.ttft_p99_s"),
+        (["--slo", "ttft_p99_s=0.000001", "--set", "workload.sessions=2"],
+         "the SLOs hold at no load tried"),
+        (["--set", "slos.ttft_p99_s=null", "--set", "slos.e2e_p99_s=null"], "no SLO to hold"),
+    ],
+)  # fmt: skip
+def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:
+    result = runner.invoke(app, ["capacity", str(BURST), "--set", "workload.turns.value=2", *args])
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split()) and "Traceback" not in result.output
