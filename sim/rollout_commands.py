@@ -1,0 +1,353 @@
+"""``kvsim sweep``, ``capacity``, ``tune`` and ``export``: from "which config" to the files an
+operator deploys (registered on the ``kvsim`` app by :mod:`sim.cli`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from sim.console import console, err_console, fail
+from sim.errors import KvsimConfigError
+
+
+def export_cmd(
+    source: Annotated[
+        Path, typer.Argument(help="A run directory (its scenario.yaml) or a scenario YAML.")
+    ],
+    format_: Annotated[
+        str, typer.Option("--format", help="vllm-args, vllm-yaml or triton.")
+    ] = "vllm-args",
+    out: Annotated[
+        Path | None,
+        typer.Option(
+            help="File to write (vllm-args, vllm-yaml) or model repository folder (triton); "
+            "default: print vllm-args/vllm-yaml to stdout."
+        ),
+    ] = None,
+    model: Annotated[
+        str | None,
+        typer.Option(help="Model vLLM loads (hub name or path); default: the scenario's."),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
+    ] = None,
+) -> None:
+    """Export a scenario's engine config for rollout: vllm serve args or YAML, or Triton."""
+    from sim.export import FORMATS, export, serve_command, serve_yaml
+    from sim.scenario import check_runnable, load_scenario
+
+    try:
+        if format_ not in FORMATS:
+            raise KvsimConfigError(f"--format {format_!r}: expected one of {', '.join(FORMATS)}")
+        path = source / "scenario.yaml" if source.is_dir() else source
+        if source.is_dir() and not path.is_file():
+            raise KvsimConfigError(f"{source}: a folder without scenario.yaml (not a run)")
+        spec = load_scenario(path, set_ or [])
+        check_runnable(spec, str(path))
+        if out is None:
+            if format_ == "triton":
+                raise KvsimConfigError("--format triton writes a model repository: give --out")
+            text = serve_command(spec, model) if format_ == "vllm-args" else serve_yaml(spec, model)
+            console.out(text.rstrip("\n"), highlight=False)
+            return
+        written = export(spec, format_, out, model)
+    except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot write the export ({exc})") from None
+    for file in written:
+        console.print(f"wrote {file}", highlight=False)
+
+
+def sweep(
+    scenario: Annotated[Path, typer.Argument(help="Scenario YAML to sweep.")],
+    grid: Annotated[
+        list[str],
+        typer.Option(
+            help="FIELD=V1,V2,... (repeatable): the sweep runs the cross product of all grids."
+        ),
+    ],
+    out: Annotated[
+        Path, typer.Option(help="Sweep folder; re-running the same command there resumes.")
+    ],
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field in every point, e.g. --set seed=7."),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(help="Worker processes (default: every local core).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Run a scenario over a grid of overrides in parallel; resumable; one results table."""
+    from sim.sweep import RESULTS_FILE, default_workers, plan_sweep, run_sweep
+
+    plan = None
+    try:
+        plan = plan_sweep(scenario, grid, set_ or [], out)
+        pending = plan.pending()
+        total = len(plan.points)
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("{task.fields[failed]}"),
+            TimeElapsedColumn(),
+            TimeRemainingColumn(),
+            console=err_console,
+            disable=quiet or not err_console.is_terminal,
+        ) as bar:
+            task = bar.add_task(
+                f"sweep {scenario.name}", total=total, completed=total - len(pending), failed=""
+            )
+            failures: list[str] = []
+
+            def finished(point: object, error: str | None) -> None:
+                if error is not None:
+                    failures.append(error)
+                failed = f"[red]{len(failures)} failed[/red]" if failures else ""
+                bar.update(task, advance=1, failed=failed)
+
+            table = run_sweep(plan, workers or default_workers(), finished)
+    except KeyboardInterrupt:
+        if plan is not None:
+            total = len(plan.points)
+            err_console.print(
+                f"interrupted: {total - len(plan.pending())} of {total} points done and kept "
+                f"in {out}; run the same command again to finish the rest",
+                highlight=False,
+            )
+        raise typer.Exit(130) from None
+    except (KvsimConfigError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(f"--out {out}: cannot write the sweep ({exc})") from None
+    failed = table[table["status"] == "failed"]
+    console.print(
+        f"{len(table) - len(failed)} of {len(table)} points ran"
+        + (f", {len(failed)} failed (see the error column)" if len(failed) else "")
+        + f"; results: {out / RESULTS_FILE}",
+        highlight=False,
+    )
+
+
+def capacity(
+    scenario: Annotated[
+        Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
+    ] = None,
+    slo: Annotated[
+        list[str] | None,
+        typer.Option(help="An SLO bound, e.g. --slo ttft_p99_s=2 (default: the scenario's)."),
+    ] = None,
+    knob: Annotated[
+        str | None,
+        typer.Option(help="Load field to search (default: sessions, or the arrival rate)."),
+    ] = None,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write capacity.json (answer and curve) here.")
+    ] = None,
+) -> None:
+    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
+    from sim.capacity import Knob, default_knob, find_capacity
+    from sim.runner import simulate
+    from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
+
+    source = scenario or DEFAULT_SCENARIO
+    try:
+        overrides = [*(set_ or []), *(f"slos.{bound}" for bound in slo or [])]
+        spec = load_scenario(source, overrides)
+        check_runnable(spec, str(source))
+        if not spec.slos.model_dump(exclude_none=True):
+            raise KvsimConfigError(
+                f"{source}: no SLO to hold; give one, e.g. --slo ttft_p99_s=2 --slo itl_p99_s=0.1"
+            )
+        the_knob = default_knob(spec)
+        if knob is not None:
+            the_knob = Knob(knob, False, knob, 1e-9, 1e9)
+        if out is not None and out.exists():
+            raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
+
+        def progress(point: object) -> None:
+            p = point  # a sim.capacity.LoadPoint
+            verdict = "holds" if p.holds else "fails: " + "; ".join(p.failed)
+            err_console.print(f"  {the_knob.field}={p.load:g}: {verdict}", highlight=False)
+
+        err_console.print(f"searching {the_knob.field} ({the_knob.unit}) of {spec.name}...")
+        result = find_capacity(spec, lambda s: simulate(s).summary, the_knob, progress)
+    except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    table = Table(title=f"{spec.name}: latency vs {the_knob.field}")
+    for column in ("load", "holds", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "E2E p99 s",
+                   "tok/s", "preempt", "peak sessions"):  # fmt: skip
+        table.add_column(column, justify="right")
+
+    def ms(value: float | None) -> str:
+        return "-" if value is None else f"{value:.3g}"
+
+    for p in result.curve:
+        table.add_row(
+            f"{p.load:g}", "yes" if p.holds else "[red]no[/red]", ms(p.ttft_p50_s),
+            ms(p.ttft_p99_s), ms(p.itl_p99_s), ms(p.e2e_p99_s),
+            "-" if p.output_throughput_tok_s is None else f"{p.output_throughput_tok_s:,.0f}",
+            str(p.preemptions), str(p.peak_concurrent_sessions),
+        )  # fmt: skip
+    console.print(table)
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in spec.slos.model_dump(exclude_none=True).items())
+    if result.first_failing is None:
+        answer = f"holds at {result.capacity:g} {the_knob.unit}, the most tried"
+    else:
+        answer = (
+            f"capacity: {result.capacity:g} {the_knob.unit} ({the_knob.field}); "
+            f"{result.first_failing:g} fails"
+        )
+    console.print(f"{answer}, with {bounds} and every request finished", highlight=False)
+    if result.knee is not None:
+        console.print(f"knee of the p99 TTFT curve: {result.knee:g}", highlight=False)
+    console.print(f"{len(result.curve)} simulations", highlight=False)
+    if out is not None:
+        out.mkdir(parents=True)
+        document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **result.to_json()}
+        (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"written to {out / 'capacity.json'}", highlight=False)
+
+
+def tune_cmd(
+    scenario: Annotated[
+        Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
+    ] = None,
+    objective: Annotated[
+        str, typer.Option(help="goodput, cost-per-million-tokens or max-sessions.")
+    ] = "goodput",
+    slo: Annotated[
+        list[str] | None,
+        typer.Option(help="An SLO bound, e.g. --slo ttft_p99_s=2 (default: the scenario's)."),
+    ] = None,
+    budget: Annotated[int, typer.Option(help="Optuna trials (configs tried).")] = 30,
+    gpu_hour_usd: Annotated[
+        float, typer.Option(help="Price of one GPU-hour, for cost-per-million-tokens.")
+    ] = 1.0,
+    set_: Annotated[
+        list[str] | None,
+        typer.Option("--set", help="Override a field first, e.g. --set workload.sessions=800."),
+    ] = None,
+    out: Annotated[
+        Path | None, typer.Option(help="Write tune.json (every trial, best, Pareto front).")
+    ] = None,
+    export_format: Annotated[
+        str | None, typer.Option(help="Also export the best config: vllm-args, vllm-yaml, triton.")
+    ] = None,
+    export_out: Annotated[Path | None, typer.Option(help="Where --export-format writes.")] = None,
+) -> None:
+    """Search vLLM's engine knobs (Optuna) for the best config under the SLOs."""
+    from sim.export import FORMATS, export
+    from sim.runner import simulate
+    from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario, parse_scenario
+    from sim.tune import OBJECTIVES, tune
+
+    source = scenario or DEFAULT_SCENARIO
+    try:
+        try:
+            import optuna  # noqa: F401
+        except ImportError:
+            raise KvsimConfigError(
+                "kvsim tune needs Optuna, an optional extra: pip install 'kvsim[tune]'"
+            ) from None
+        if objective not in OBJECTIVES:
+            raise KvsimConfigError(
+                f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}"
+            )
+        if (export_format is None) != (export_out is None):
+            raise KvsimConfigError("--export-format and --export-out go together")
+        if export_format is not None and export_format not in FORMATS:
+            raise KvsimConfigError(
+                f"--export-format {export_format!r}: expected one of {', '.join(FORMATS)}"
+            )
+        for path, option in ((out, "--out"), (export_out, "--export-out")):
+            if path is not None and path.exists():
+                raise FileExistsError(f"{option} {path}: already exists; kvsim never overwrites")
+        if gpu_hour_usd <= 0:
+            raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be positive")
+        spec = load_scenario(source, [*(set_ or []), *(f"slos.{b}" for b in slo or [])])
+        check_runnable(spec, str(source))
+
+        def progress(trial: object) -> None:
+            t = trial  # a sim.tune.Trial
+            what = {"ok": f"{objective} {t.objective:.4g}", "infeasible": "misses an SLO",
+                    "invalid": f"not run: {t.error}"}[t.state]  # fmt: skip
+            err_console.print(f"  trial {t.number}: {what}", highlight=False)
+
+        result = tune(
+            spec,
+            objective,
+            budget,
+            lambda s: simulate(s).summary,
+            gpu_hour_usd=gpu_hour_usd,
+            on_trial=progress,
+        )
+    except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    ran = sum(t.state != "invalid" for t in result.trials)
+    console.print(
+        f"{len(result.trials)} trials ({ran} simulated configs, {result.simulations} "
+        f"simulations) for {objective} ({result.direction})",
+        highlight=False,
+    )
+    if result.best is None:
+        raise fail("no trial met every SLO with every request finished; relax --slo or the load")
+    best = result.best
+    console.print(
+        f"best: trial {best.number}, {objective} = {best.objective:.4g}; "
+        + " ".join(f"--set engine.{k}={v}" for k, v in best.params.items()),
+        highlight=False,
+    )
+    front = Table(title="Pareto front (feasible trials): throughput vs p99 TTFT and ITL")
+    for column in ("trial", "tok/s", "TTFT p99 s", "ITL p99 s", objective):
+        front.add_column(column, justify="right")
+    for t in result.pareto:
+        m = t.metrics
+        front.add_row(
+            str(t.number),
+            f"{m['output_throughput_tok_s']:,.0f}",
+            f"{m['ttft_p99_s']:.3g}",
+            f"{m['itl_p99_s']:.3g}",
+            f"{t.objective:.4g}",
+        )
+    console.print(front)
+    best_spec = parse_scenario(
+        {**spec.model_dump(mode="json"), "engine": {**spec.engine.model_dump(), **best.params}},
+        f"{spec.name} (tuned)",
+    )
+    if out is not None:
+        out.mkdir(parents=True)
+        document = {
+            "scenario": spec.name,
+            "objective": objective,
+            "direction": result.direction,
+            "slos": spec.slos.model_dump(),
+            "simulations": result.simulations,
+            "best": best.__dict__,
+            "pareto": [t.number for t in result.pareto],
+            "trials": [t.__dict__ for t in result.trials],
+        }
+        (out / "tune.json").write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"written to {out / 'tune.json'}", highlight=False)
+    if export_format is not None and export_out is not None:
+        for file in export(best_spec, export_format, export_out):
+            console.print(f"wrote {file}", highlight=False)

@@ -1,0 +1,205 @@
+"""The tuner: Optuna searches vLLM's engine knobs for the best config under SLOs.
+
+Each trial is one engine config (block size, ``gpu_memory_utilization``, token budget,
+``max_num_seqs``, long-prefill threshold, prefix caching, scheduling policy and, for the
+cost objective, tensor parallelism) applied to the scenario. A config vLLM refuses or
+whose model does not fit is not simulated (Optuna is told the trial failed). Objectives:
+
+- ``goodput``: requests per second that meet every SLO, at the scenario's load;
+- ``cost-per-million-tokens``: GPU-hours (times ``gpu_hour_usd``) per million output
+  tokens at the scenario's load, lower is better;
+- ``max-sessions``: the capacity (:mod:`sim.capacity`) of the config: the heaviest load it
+  holds; one trial costs a whole capacity search.
+
+A trial is feasible when every request finished and every SLO held (for ``max-sessions``:
+when some load held); Optuna's TPE sampler gets that as its constraint, so it learns where
+the feasible region is. The report carries every trial, the best feasible config and the
+Pareto front of the feasible trials over output throughput (higher), p99 TTFT and p99 ITL
+(lower). The sampler is seeded: the same scenario and seed give the same trials.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from sim.capacity import find_capacity
+from sim.errors import KvsimConfigError
+from sim.scenario import Scenario, check_runnable, parse_scenario
+
+Objective = Literal["goodput", "cost-per-million-tokens", "max-sessions"]
+OBJECTIVES: tuple[str, ...] = ("goodput", "cost-per-million-tokens", "max-sessions")
+
+# The search space: engine field -> the values tried (every one is a value vLLM accepts).
+SPACE: dict[str, tuple[Any, ...]] = {
+    "block_size": (16, 32, 64),
+    "max_num_batched_tokens": (2048, 4096, 8192, 16384),
+    "max_num_seqs": (64, 128, 256, 512),
+    "long_prefill_token_threshold": (0, 1024, 4096),
+    "enable_prefix_caching": (True, False),
+    "scheduling_policy": ("fcfs", "priority"),
+    "tensor_parallel_size": (1, 2, 4, 8),
+}
+GPU_MEMORY_UTILIZATION = (0.80, 0.95)
+
+
+@dataclass
+class Trial:
+    number: int
+    params: dict[str, Any]  # engine field -> value
+    state: str  # "ok", "infeasible" (ran, missed an SLO), "invalid" (not simulated)
+    objective: float | None
+    error: str | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+    simulations: int = 0
+
+
+@dataclass
+class TuneResult:
+    objective: str
+    direction: str
+    trials: list[Trial]
+    best: Trial | None
+    pareto: list[Trial]
+
+    @property
+    def simulations(self) -> int:
+        return sum(t.simulations for t in self.trials)
+
+
+def _metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    m = summary["metrics"]
+    return {
+        "goodput_req_s": m.get("goodput_req_s"),
+        "output_throughput_tok_s": m.get("output_throughput_tok_s"),
+        "ttft_p99_s": (m.get("vllm:time_to_first_token_seconds") or {}).get("p99"),
+        "itl_p99_s": (m.get("vllm:inter_token_latency_seconds") or {}).get("p99"),
+        "e2e_p99_s": (m.get("vllm:e2e_request_latency_seconds") or {}).get("p99"),
+        "preemptions": (m.get("vllm:num_preemptions") or {}).get("total"),
+        "slo_pass": all(v["pass"] for v in summary["slos"].values()),
+        "unfinished": summary["num_requests"] - summary["num_finished"],
+    }
+
+
+def pareto_front(trials: list[Trial]) -> list[Trial]:
+    """The feasible trials no other feasible trial beats on throughput (higher), p99 TTFT
+    and p99 ITL (lower) at once, by throughput."""
+
+    def key(t: Trial) -> tuple[float, float, float]:
+        m = t.metrics
+        return (-m["output_throughput_tok_s"], m["ttft_p99_s"], m["itl_p99_s"])
+
+    feasible = [t for t in trials if t.state == "ok" and None not in key(t)]
+    front = [
+        t for t in feasible
+        if not any(all(a <= b for a, b in zip(key(o), key(t), strict=True)) and key(o) != key(t)
+                   for o in feasible)
+    ]  # fmt: skip
+    return sorted(front, key=key)
+
+
+def tune(
+    scenario: Scenario,
+    objective: str,
+    budget: int,
+    simulate_summary: Callable[[Scenario], dict[str, Any]],
+    gpu_hour_usd: float = 1.0,
+    seed: int | None = None,
+    on_trial: Callable[[Trial], None] | None = None,
+) -> TuneResult:
+    """Run ``budget`` Optuna trials (invalid configs included) and report them."""
+    import optuna
+
+    if objective not in OBJECTIVES:
+        raise KvsimConfigError(
+            f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}"
+        )
+    if budget < 1:
+        raise KvsimConfigError(f"--budget {budget}: must be at least 1")
+    if not scenario.slos.model_dump(exclude_none=True):
+        raise KvsimConfigError(
+            f"scenario {scenario.name!r}: no SLO to tune for; give one, e.g. --slo ttft_p99_s=2"
+        )
+    minimize = objective == "cost-per-million-tokens"
+    space = dict(SPACE)
+    if objective != "cost-per-million-tokens":  # more GPUs always win the other two
+        space["tensor_parallel_size"] = (scenario.engine.tensor_parallel_size,)
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    sampler = optuna.samplers.TPESampler(seed=scenario.seed if seed is None else seed)
+    study = optuna.create_study(direction="minimize" if minimize else "maximize", sampler=sampler)
+    base = scenario.model_dump(mode="json")
+    trials: list[Trial] = []
+    for _ in range(budget):
+        ask = study.ask()
+        params: dict[str, Any] = {
+            name: ask.suggest_categorical(name, list(values)) for name, values in space.items()
+        }
+        params["gpu_memory_utilization"] = round(
+            ask.suggest_float("gpu_memory_utilization", *GPU_MEMORY_UTILIZATION, step=0.01), 2
+        )
+        document = {**base, "engine": {**base["engine"], **params}}
+        trial = Trial(ask.number, params, "invalid", None)
+        try:
+            spec = parse_scenario(document, f"{scenario.name} trial {ask.number}")
+            check_runnable(spec)
+        except KvsimConfigError as exc:
+            trial.error = str(exc)
+            study.tell(ask, state=optuna.trial.TrialState.FAIL)
+        else:
+            value, feasible = _evaluate(spec, objective, trial, simulate_summary, gpu_hour_usd)
+            trial.state = "ok" if feasible else "infeasible"
+            trial.objective = value
+            ask.set_constraint("slos", 0.0 if feasible else 1.0)  # > 0: infeasible
+            study.tell(ask, value)
+        trials.append(trial)
+        if on_trial is not None:
+            on_trial(trial)
+    ok = [t for t in trials if t.state == "ok" and t.objective is not None]
+    pick = min if minimize else max
+    best = pick(ok, key=lambda t: (t.objective, -t.number)) if ok else None
+    direction = "minimize" if minimize else "maximize"
+    return TuneResult(objective, direction, trials, best, pareto_front(trials))
+
+
+def _evaluate(
+    spec: Scenario,
+    objective: str,
+    trial: Trial,
+    simulate_summary: Callable[[Scenario], dict[str, Any]],
+    gpu_hour_usd: float,
+) -> tuple[float, bool]:
+    if objective == "max-sessions":
+        counted: list[int] = []
+
+        def counting(s: Scenario) -> dict[str, Any]:
+            counted.append(1)
+            return simulate_summary(s)
+
+        try:
+            result = find_capacity(spec, counting)
+        except KvsimConfigError as exc:  # no load holds with this config
+            trial.error = str(exc)
+            trial.simulations = len(counted)
+            return 0.0, False
+        trial.simulations = len(counted)
+        top = next(p for p in result.curve if p.load == result.capacity)
+        trial.metrics = {
+            "capacity": result.capacity,
+            "output_throughput_tok_s": top.output_throughput_tok_s,
+            "ttft_p99_s": top.ttft_p99_s,
+            "itl_p99_s": top.itl_p99_s,
+        }
+        return float(result.capacity or 0.0), True
+    summary = simulate_summary(spec)
+    trial.simulations = 1
+    trial.metrics = _metrics(summary)
+    feasible = trial.metrics["slo_pass"] and trial.metrics["unfinished"] == 0
+    if objective == "goodput":
+        return float(trial.metrics["goodput_req_s"] or 0.0), feasible
+    throughput = trial.metrics["output_throughput_tok_s"] or 0.0
+    gpu_hours_per_million = (
+        spec.engine.tensor_parallel_size / (throughput * 3600) * 1e6 if throughput else 1e12
+    )
+    trial.metrics["cost_per_million_tokens"] = gpu_hours_per_million * gpu_hour_usd
+    return trial.metrics["cost_per_million_tokens"], feasible
