@@ -40,8 +40,8 @@ def run(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Simulate a scenario; write its run directory and print the summary."""
+    from sim.config.calibration import load_profile
     from sim.config.sizing import kv_cache_summary
-    from sim.cost_model import load_cost_params
     from sim.report import summary_table
     from sim.results import new_run_dir
     from sim.runner import simulate
@@ -49,7 +49,7 @@ def run(
 
     try:
         spec = load_scenario(scenario or DEFAULT_SCENARIO, set_ or [])
-        profile = load_cost_params(calibration) if calibration is not None else None
+        profile = load_profile(calibration) if calibration is not None else None
         warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
         if warning:
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)

@@ -14,8 +14,9 @@ import simpy
 
 from sim import __version__
 from sim.block_map import BlockMapRecorder
+from sim.config.calibration import CalibrationProfile
 from sim.config.sizing import KVSizing, size_kv_cache
-from sim.cost_model import CalibrationProfile, CostModel, CostParams
+from sim.cost_model import CostModel, CostParams
 from sim.engine import Engine
 from sim.errors import KvsimConfigError
 from sim.metrics import summarize

@@ -8,19 +8,15 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from sim.config.calibration import CalibrationProfile
 from sim.config.hardware import Hardware
 from sim.config.model import ModelGeometry
-from sim.cost_model import (
-    CalibrationProfile,
-    CostModel,
-    CostParams,
-    fit_cost_params,
-    steps_since_prefill,
-)
+from sim.cost_model import CostModel, CostParams
 from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run
 from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
+from validate.fit import fit_cost_params, steps_since_prefill
 
 # A step slower than this many times its fitted prediction is a stall, not a batch cost.
 OUTLIER_FACTOR = 2.0

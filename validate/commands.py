@@ -126,7 +126,7 @@ def validate_cmd(
     ] = 1,
 ) -> None:
     """Run a scenario on real vLLM and in the simulator; print and save the error table."""
-    from sim.cost_model import load_cost_params
+    from sim.config.calibration import load_profile
     from sim.scenario import load_scenario
     from validate.runner import (
         EngineFailure,
@@ -138,7 +138,7 @@ def validate_cmd(
 
     try:
         spec = load_scenario(scenario)
-        profile = load_cost_params(calibration) if calibration else None
+        profile = load_profile(calibration) if calibration else None
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")
         if out_dir.exists():
             raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites")
@@ -187,7 +187,7 @@ def calibrate_cmd(
     output: Annotated[Path, typer.Option("-o", "--output", help="Profile JSON to write.")],
 ) -> None:
     """Fit the cost model to measured steps; write a calibration profile."""
-    from sim.cost_model import save_profile
+    from sim.config.calibration import save_profile
     from validate.calibrate import calibrate
 
     try:

@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.cost_model import CalibrationProfile, CostParams, load_cost_params
+from sim.config.calibration import CalibrationProfile, load_profile
+from sim.cost_model import CostParams
 from sim.metrics import summarize
 from sim.results import RunData, load_run
 from sim.runner import simulate
@@ -183,7 +184,7 @@ def build_report(
 ) -> ValidationReport:
     """The simulation against the measured runs (against their median when repeated), with
     each run's step times against the cost parameters the simulation used."""
-    profile = load_cost_params(calibration) if calibration else None
+    profile = load_profile(calibration) if calibration else None
     params = profile.params if profile else CostParams()
     warning = profile.budget_warning(scenario.engine.max_num_batched_tokens) if profile else None
     return ValidationReport(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sim.cost_model import save_profile
+from sim.config.calibration import save_profile
 from sim.scenario import SCENARIO_DIR, load_scenario
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
