@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sim.scheduler.output import BatchShape, SchedulerOutput
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class ScheduledRequest(Protocol):
@@ -139,3 +142,24 @@ def step_record(
         resumed_prefix_cache_hits=output.num_resumed_prefix_hit_tokens,
         kv_unused_slots=kv_unused_slots,
     )
+
+
+def shapes_of_steps(steps: pd.DataFrame) -> list[BatchShape]:
+    """The batch shape of every row of a step table (the inverse of :func:`step_record`)."""
+    return [
+        BatchShape(
+            num_prefill_tokens=int(p),
+            num_prefill_reqs=int(pr),
+            prefill_attention_pairs=float(pairs),
+            num_decode_reqs=int(d),
+            decode_context_tokens=int(ctx),
+        )
+        for p, pr, pairs, d, ctx in zip(
+            steps["num_prefill_tokens"],
+            steps["num_prefill_reqs"],
+            steps["prefill_attention_pairs"],
+            steps["num_decode_tokens"],
+            steps["decode_context_tokens"],
+            strict=True,
+        )
+    ]

@@ -20,6 +20,7 @@ from sim.step_record import (
     batch_shape,
     is_decode,
     kv_unused_slots,
+    shapes_of_steps,
     step_record,
 )
 from sim.workload.base import RequestMeta
@@ -98,7 +99,8 @@ def test_the_scheduler_shape_and_recorder_row_come_from_the_record_layer(
 ):
     """Every step of kvsim's scheduler (chunked prefill, preemption by recompute included):
     its BatchShape is batch_shape() of what it scheduled, read after schedule() advanced the
-    computed tokens as vLLM's does, and the recorder's row is step_record()'s."""
+    computed tokens as vLLM's does, the recorder's row is step_record()'s, and the step table
+    gives the shapes back."""
     config = EngineConfig(
         block_size=16,
         max_num_batched_tokens=budget,
@@ -113,12 +115,13 @@ def test_the_scheduler_shape_and_recorder_row_come_from_the_record_layer(
         scheduler.add_request(request)
         recorder.on_arrival(request, RequestMeta(), 0.0)
     now_s = 0.0
-    expected_rows = []
+    expected_rows, shapes = [], []
     while scheduler.has_unfinished_requests():
         output = scheduler.schedule()
         assert output.shape == batch_shape(
             output.num_scheduled_tokens, scheduler.requests, computed_includes_scheduled=True
         )
+        shapes.append(output.shape)
         update = scheduler.update_from_output(output)
         recorder.on_step(output, update, now_s, now_s + 0.01, scheduler)
         # The simulator counts unused slots once the step's finished requests are freed.
@@ -131,4 +134,6 @@ def test_the_scheduler_shape_and_recorder_row_come_from_the_record_layer(
         )
         expected_rows.append(step_record(output.step, output, now_s, now_s + 0.01, unused).row())
         now_s += 0.01
-    assert recorder.steps_frame().to_dict("records") == expected_rows
+    table = recorder.steps_frame()
+    assert table.to_dict("records") == expected_rows
+    assert shapes_of_steps(table) == shapes
