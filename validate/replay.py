@@ -31,7 +31,7 @@ from sim.workload import build_workload
 from sim.workload.base import RequestMeta, SinkBase
 from validate.engine_args import engine_kwargs
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # importing it imports vLLM, which kvsim needs only to replay
     from validate.recording_scheduler import RecordedStep
 
 
@@ -87,10 +87,10 @@ class VllmSink(SinkBase):
         return done
 
     def _run(self) -> Generator[simpy.Event, Any, None]:
-        env = self._env
-        engine = self.engine
         from validate.recording_scheduler import RecordingScheduler
 
+        env = self._env
+        engine = self.engine
         records: list[RecordedStep] = RecordingScheduler.records
         while True:
             if not engine.has_unfinished_requests():

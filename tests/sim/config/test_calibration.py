@@ -72,7 +72,8 @@ def test_malformed_profile_names_file_and_field(tmp_path):
 
 
 # A profile as `kvsim calibrate` wrote it before profiles recorded their token budgets (and
-# before the schema moved out of sim/cost_model.py): still loads, with no budget claim.
+# before the schema moved out of sim/cost_model.py): still loads, with no budget claim and
+# the defaults of the fields added since (source 'vllm', no environment, no measurements).
 PROFILE_WITHOUT_BUDGETS = """{
   "params": {
     "mode": "additive",
@@ -107,9 +108,13 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
     assert profile.params.post_prefill_decode_s == 0.00088
     assert profile.num_steps == 5210
     assert profile.budget_warning(512) is None
+    assert profile.source == "vllm" and profile.environment == profile.device_measurements == {}
     saved = tmp_path / "saved.json"
     save_profile(profile, saved)
     assert json.loads(saved.read_text()) == {
         **json.loads(PROFILE_WITHOUT_BUDGETS),
         "max_num_batched_tokens": [],
+        "source": "vllm",
+        "environment": {},
+        "device_measurements": {},
     }
