@@ -10,8 +10,7 @@ the one mapping of a :class:`~sim.scheduler.output.SchedulerOutput` onto a row o
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from sim.scheduler.output import BatchShape, SchedulerOutput
 
@@ -85,9 +84,9 @@ def kv_unused_slots(num_held_blocks: int, block_size: int, num_computed_tokens: 
     return num_held_blocks * block_size - num_computed_tokens
 
 
-@dataclass(slots=True, frozen=True)
-class StepRecord:
-    """One row of ``steps.parquet``: the fields are its columns, in order."""
+class StepRecord(NamedTuple):
+    """One row of ``steps.parquet``: the fields are its columns, in order (a tuple, so the
+    recorder appends it column by column without looking names up)."""
 
     step: int
     start_s: float
@@ -106,16 +105,13 @@ class StepRecord:
     prefix_cache_hits: int  # vllm:prefix_cache_hits (first admissions)
     resumed_prefix_cache_hits: int  # hits of requests re-admitted after preemption
     kv_unused_slots: int
-    # Always 0 until swap exists (the memory-policies issue makes them real).
-    num_swapped_out_blocks: int = 0
-    num_swapped_in_blocks: int = 0
 
     def row(self) -> dict[str, Any]:
         """Column name -> value."""
-        return {name: getattr(self, name) for name in STEP_RECORD_COLUMNS}
+        return self._asdict()
 
 
-STEP_RECORD_COLUMNS = tuple(f.name for f in fields(StepRecord))
+STEP_RECORD_COLUMNS: tuple[str, ...] = StepRecord._fields
 
 
 def step_record(

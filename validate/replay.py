@@ -139,7 +139,7 @@ class VllmSink(SinkBase):
             recorder.on_admitted(self._external_id.get(request_id, request_id), num_hit, start_s)
         step = len(recorder.steps["step"]) + 1
         record = step_record(step, output, start_s, end_s, recorded.kv_unused_slots)
-        recorder.add_step(**record.row())
+        recorder.add_record(record)
 
 
 def build_engine(scenario: Scenario, device: str, model: str) -> Any:

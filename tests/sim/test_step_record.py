@@ -17,6 +17,7 @@ from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler
 from sim.step_record import (
     STEP_RECORD_COLUMNS,
+    StepRecord,
     batch_shape,
     is_decode,
     kv_unused_slots,
@@ -35,8 +36,37 @@ class Counts:
     num_prompt_tokens: int
 
 
-def test_step_record_columns_are_the_step_table_columns():
-    assert list(STEP_RECORD_COLUMNS) == STEP_COLUMNS
+def test_add_record_appends_one_row_in_column_order():
+    """What the replay of real vLLM writes: one StepRecord per step, its fields the columns."""
+    record = StepRecord(
+        step=3,
+        start_s=1.5,
+        duration_s=0.25,
+        num_prefill_tokens=64,
+        num_decode_tokens=7,
+        num_prefill_reqs=2,
+        decode_context_tokens=900,
+        prefill_attention_pairs=2048.0,
+        num_requests_running=9,
+        num_requests_waiting=4,
+        kv_cache_usage_perc=0.5,
+        num_free_blocks=31,
+        num_preemptions=1,
+        prefix_cache_queries=128,
+        prefix_cache_hits=32,
+        resumed_prefix_cache_hits=16,
+        kv_unused_slots=11,
+    )
+    recorder = Recorder(16)
+    recorder.add_record(record)
+    recorder.add_record(record._replace(step=4, kv_unused_slots=5))
+    table = recorder.steps_frame()
+    assert list(table.columns) == STEP_COLUMNS == list(STEP_RECORD_COLUMNS)
+    assert table.to_dict("records") == [
+        record.row(),
+        {**record.row(), "step": 4, "kv_unused_slots": 5},
+    ]
+    assert [c for c in STEP_COLUMNS if "swap" in c] == []  # no swap in vLLM V1, no columns
 
 
 @pytest.mark.parametrize(
