@@ -82,6 +82,7 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
         "cpu",
         "tiny",
         sim.sizing.num_gpu_blocks,
+        "float32",
     )
     measured = measured_summary(spec, result)
     provenance = {
@@ -91,6 +92,7 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
         "served_model": "tiny",
         "hardware": "cpu",
         "allocator": "tcmalloc",
+        "dtype": "float32",
         "error": error,
     }
     assert {k: measured[k] for k in provenance} == provenance
