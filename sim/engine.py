@@ -142,8 +142,7 @@ class Engine(SinkBase):
         if not num_running or num_running > scheduler.max_num_batched_tokens:
             return None
         if len(scheduler.waiting) and (
-            num_running < scheduler.max_num_seqs
-            and num_running < scheduler.max_num_batched_tokens
+            num_running < scheduler.max_num_seqs and num_running < scheduler.max_num_batched_tokens
         ):
             return None  # the scheduler would try to admit someone
         max_model_len = scheduler.max_model_len

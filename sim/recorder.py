@@ -70,9 +70,7 @@ class Recorder:
         self.block_map = block_map
         self.requests: dict[str, RequestRecord] = {}
         self._order: list[RequestRecord] = []
-        self.steps: dict[str, array] = {
-            name: array(STEP_TYPECODES[name]) for name in STEP_COLUMNS
-        }
+        self.steps: dict[str, array] = {name: array(STEP_TYPECODES[name]) for name in STEP_COLUMNS}
 
     def on_arrival(self, request: Request, meta: RequestMeta, now_s: float) -> None:
         record = RequestRecord(request, meta, now_s)

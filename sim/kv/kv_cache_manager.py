@@ -8,9 +8,12 @@ Read with ``vllm/v1/core/kv_cache_manager.py`` and ``single_type_kv_cache_manage
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from sim.kv.block_pool import BlockPool, KVBlock
 from sim.request import Request, RequestStatus
+
+_ref_cnt = attrgetter("ref_cnt")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -56,13 +59,10 @@ class KVCacheManager:
             return [], 0
         max_blocks = (len(request.token_ids) - 1) // self.block_size
         get = self.block_pool.first_cached_block.get
-        hits: list[KVBlock] = []
-        append = hits.append
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = get(block_hash)
-            if block is None:
-                break
-            append(block)
+        # Look every hash up in C, then cut at the first miss.
+        hits: list[KVBlock] = list(map(get, request.block_hashes[:max_blocks]))
+        if None in hits:
+            del hits[hits.index(None) :]
         return hits, len(hits) * self.block_size
 
     # -- allocation ---------------------------------------------------------------------------
@@ -147,7 +147,7 @@ class KVCacheManager:
         # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
         # free block just like a fresh allocation.
         num_hit = len(new_computed_blocks)
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable = list(map(_ref_cnt, new_computed_blocks)).count(0)
 
         if full_sequence_must_fit:
             full_num_tokens = min(request.num_tokens, self.max_model_len)
