@@ -45,14 +45,15 @@ class StepCost(Protocol):
     ) -> float: ...
 
 
-def delay_to(now_s: float, target_s: float) -> float:
-    """A delay ``d`` with ``now_s + d == target_s`` exactly (SimPy schedules at now + delay)."""
+def delay_to(now_s: float, target_s: float) -> float | None:
+    """A delay ``d`` with ``now_s + d == target_s`` exactly (SimPy schedules at now + delay),
+    or None when rounding skips the target (no such float ``d`` exists)."""
     delay = target_s - now_s
     while now_s + delay < target_s:
         delay = math.nextafter(delay, math.inf)
     while now_s + delay > target_s:
         delay = math.nextafter(delay, -math.inf)
-    return delay
+    return delay if now_s + delay == target_s and delay >= 0 else None
 
 
 class Engine(SinkBase):
@@ -76,6 +77,7 @@ class Engine(SinkBase):
         self.horizon_s = math.inf
         self.num_stretches = 0
         self.num_stretch_steps = 0
+        self._stretch_end_s = 0.0
         self._done: dict[str, simpy.Event] = {}
         self.process = env.process(self._run())
 
@@ -107,8 +109,15 @@ class Engine(SinkBase):
             if fast and not after_idle:
                 stretch = self._plan_stretch(since_prefill)
                 if stretch is not None:
-                    end_s, since_prefill, finished = stretch
-                    yield env.timeout(delay_to(env.now, end_s))
+                    durations, since_prefill, finished = stretch
+                    end_s = self._stretch_end_s
+                    delay = delay_to(env.now, end_s)
+                    if delay is not None:
+                        yield env.timeout(delay)
+                    else:  # step by step, as the reference adds them up
+                        for duration_s in durations:
+                            yield env.timeout(duration_s)
+                    assert env.now == end_s
                     for request in finished:
                         done.pop(request.request_id).succeed(request)
                     continue
@@ -130,11 +139,12 @@ class Engine(SinkBase):
                 done.pop(request.request_id).succeed(request)
 
     # -- decode stretches ---------------------------------------------------------------------
-    def _plan_stretch(self, since_prefill: int) -> tuple[float, int, list[Request]] | None:
+    def _plan_stretch(self, since_prefill: int) -> tuple[list[float], int, list[Request]] | None:
         """Advance a decode stretch in bulk if one starts now (see the module docstring).
 
-        Returns (end time, steps since prefill after it, requests finished in its last
-        step), or None when the next step must go through the scheduler.
+        Returns (its step durations, steps since prefill after it, requests finished in its
+        last step) and sets ``_stretch_end_s``, or None when the next step must go through
+        the scheduler.
         """
         scheduler = self.scheduler
         running = scheduler.running
@@ -226,16 +236,19 @@ class Engine(SinkBase):
         now_s = env.now
         starts: list[float] = []
         ends: list[float] = []
+        durations: list[float] = []
         num_steps = 0
         while num_steps < k_cap:
             if num_steps and now_s >= next_event_s:
                 break
             step_since_prefill = since_prefill + 1 if since_prefill >= 0 else since_prefill
             shape.decode_context_tokens = context0 + num_running * num_steps
-            end_s = now_s + step_time_s(shape, False, step_since_prefill)
+            duration_s = step_time_s(shape, False, step_since_prefill)
+            end_s = now_s + duration_s
             if end_s > horizon_s:
                 break
             since_prefill = step_since_prefill
+            durations.append(duration_s)
             starts.append(now_s)
             ends.append(end_s)
             now_s = end_s
@@ -301,4 +314,5 @@ class Engine(SinkBase):
             len(scheduler.waiting),
             scheduler,
         )
-        return ends[-1], since_prefill, finished
+        self._stretch_end_s = ends[-1]
+        return durations, since_prefill, finished
