@@ -157,7 +157,7 @@ def main() -> None:
     if args.one is not None:
         print(json.dumps(run_one(args.one, args.set)))
         return
-    console = Console()
+    console = Console(width=150)
     console.print(f"machine: {machine()}")
     paths = args.scenarios or sorted(SCENARIO_DIR.glob("*.yaml"))
     compare(paths, args.repeat, console)
