@@ -17,8 +17,6 @@ time, because ``st.cache_data`` hands out a pickled copy on every rerun.
 from __future__ import annotations
 
 import json
-import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,32 +36,18 @@ from dashboard.data import (
     latency_cdfs,
 )
 from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
+from sim.results import list_runs as complete_runs
 
-RUNS_DIR_ENV = "KVSIM_RUNS_DIR"
 BLOCK_MAP = "block_map.npz"
-SWEEPS = "sweeps"
-SWEEP_FILE = "sweep.json"
 _RUN_FILES = (SUMMARY, REQUESTS, STEPS, SCENARIO, BLOCK_MAP)
-
-
-def runs_dir(argv: list[str] | None = None) -> Path:
-    """The runs directory: ``--runs-dir DIR`` after ``--`` on the streamlit command line,
-    else ``$KVSIM_RUNS_DIR``, else ``./runs``."""
-    argv = sys.argv[1:] if argv is None else argv
-    for i, arg in enumerate(argv):
-        if arg == "--runs-dir" and i + 1 < len(argv):
-            return Path(argv[i + 1])
-        if arg.startswith("--runs-dir="):
-            return Path(arg.split("=", 1)[1])
-    env = os.environ.get(RUNS_DIR_ENV)
-    return Path(env) if env else Path("runs")
 
 
 def list_runs(base: Path) -> list[Path]:
     """Run directories directly under ``base`` (those with a summary.json), newest first."""
     if not base.is_dir():
         return []
-    found = [p for p in base.iterdir() if p.is_dir() and (p / SUMMARY).is_file()]
+    # Hidden folders (a killed run's .partial-*) and claimed runs in progress are not runs.
+    found = [p for p in complete_runs(base) if (p / SUMMARY).is_file()]
     return sorted(found, key=lambda p: (-(p / SUMMARY).stat().st_mtime_ns, p.name))
 
 
@@ -190,12 +174,6 @@ def _cached_block_map(path: str, mtime_ns: int) -> BlockMap | None:
 def load_block_map(path: str | Path) -> BlockMap | None:
     resolved = Path(path).expanduser().resolve()
     return _cached_block_map(str(resolved), mtime_key(resolved))
-
-
-def list_sweeps(base: Path) -> list[Path]:
-    """``sweep.json`` files under ``base/sweeps/*/`` (there is no sweep command yet)."""
-    root = base / SWEEPS
-    return sorted(root.glob(f"*/{SWEEP_FILE}")) if root.is_dir() else []
 
 
 @st.cache_data(max_entries=16, show_spinner=False)

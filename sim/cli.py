@@ -43,19 +43,22 @@ def run(
     from sim.config.sizing import kv_cache_summary
     from sim.cost_model import load_cost_params
     from sim.report import summary_table
-    from sim.results import new_run_dir
+    from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
-    from sim.scenario import DEFAULT_SCENARIO, load_scenario
+    from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
 
+    out_dir: Path | None = None
     try:
-        spec = load_scenario(scenario or DEFAULT_SCENARIO, set_ or [])
+        # Everything that can fail is checked before simulating: the scenario, the files it
+        # reads, the KV sizing, the profile, and the run directory, claimed atomically.
+        scenario = scenario or DEFAULT_SCENARIO
+        spec = load_scenario(scenario, set_ or [])
+        check_runnable(spec, str(scenario))
         profile = load_cost_params(calibration) if calibration is not None else None
         warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
         if warning:
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
-        out_dir = out or new_run_dir(Path("runs"), spec.name)
-        if out_dir.exists():
-            raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites a run")
+        out_dir = claim_run_dir(out) if out else claim_new_run_dir(Path("runs"), spec.name)
         started = time.perf_counter()
         with Progress(
             TextColumn("[bold]{task.description}"),
@@ -78,9 +81,26 @@ def run(
 
             result = simulate(spec, profile, progress)
         wall_s = time.perf_counter() - started
+        if result.summary["num_requests"] == 0:
+            raise KvsimConfigError(
+                f"{scenario}: no request arrived before limits.max_duration_s="
+                f"{spec.limits.max_duration_s:,.6g} s; raise it, or make the workload's "
+                "arrivals earlier"
+            )
         result.write(out_dir)
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
+        if out_dir is not None:
+            release_claim(out_dir)
         raise fail(str(exc)) from None
+    except OSError as exc:
+        if out_dir is not None:
+            release_claim(out_dir)
+        where = f"--out {out_dir}: cannot write the run" if out_dir else "cannot read an input"
+        raise fail(f"{where} ({exc})") from None
+    except BaseException:
+        if out_dir is not None:
+            release_claim(out_dir)
+        raise
     console.print(summary_table(result.summary))
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}", highlight=False)
     sim_s = result.summary["duration_s"]
@@ -114,11 +134,17 @@ def dashboard(
     runs_dir: Annotated[Path, typer.Option(help="Where run directories are read and saved.")] = (
         Path("runs")
     ),
-    headless: Annotated[bool, typer.Option(help="Do not open a browser.")] = False,
+    headless: Annotated[
+        bool, typer.Option(help="Do not open a browser (one opens only where there is a display).")
+    ] = False,
 ) -> None:
     """Open the Streamlit dashboard: what-ifs, run explorer, sim-vs-real comparison."""
-    from dashboard.launch import launch
+    from dashboard.launch import check_options, launch
 
+    try:
+        check_options(host, port, runs_dir)
+    except KvsimConfigError as exc:
+        raise fail(str(exc)) from None
     raise typer.Exit(launch(host=host, port=port, runs_dir=runs_dir, headless=headless))
 
 

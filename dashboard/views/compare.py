@@ -1,22 +1,34 @@
 """Compare: two or more runs side by side: overlaid CDFs and timelines, and the error table of
-the first selected run against the second."""
+the first selected run against the second.
+
+The title is drawn before pandas and plotly are imported. A run that cannot be read is one
+``st.error`` paragraph naming it; the others are still compared.
+"""
+
+# ruff: noqa: E402 (imports after the title, on purpose)
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pandas as pd
 import streamlit as st
 
-from dashboard import charts
-from dashboard.data import ALL_CLASSES
-from dashboard.loaders import RunView, list_runs, load_view, runs_dir
-from dashboard.tables import comparison_frame
-from validate.compare import compare_summaries
-
 st.title("Compare runs")
+
+from pathlib import Path
+
+with st.spinner("Loading..."):
+    import pandas as pd
+
+    from dashboard import charts
+    from dashboard.data import ALL_CLASSES
+    from dashboard.errors import guard, show_error
+    from dashboard.loaders import RunView, list_runs, load_view
+    from dashboard.locations import runs_dir
+    from dashboard.tables import comparison_frame
+    from validate.compare import compare_summaries
+
 base = runs_dir()
-available = list_runs(base)
+with guard(f"listing the runs in {base}"):
+    available = list_runs(base)
 chosen = st.multiselect(
     "Runs (the first is compared against the second)",
     available,
@@ -42,64 +54,65 @@ views: list[RunView] = []
 for path in paths:
     try:
         views.append(load_view(path))
-    except ValueError as exc:
-        st.error(str(exc))
+    except Exception as exc:
+        show_error(exc, f"run directory {path}", str(path))
 if len(views) < 2:
     st.stop()
 
-# Labels must be unique: two runs with the same directory name get their parent's too.
-labels = [v.label for v in views]
-labels = [
-    f"{label} ({Path(v.path).parent.name})" if labels.count(label) > 1 else label
-    for label, v in zip(labels, views, strict=True)
-]
-
-st.subheader("Error table")
-value, reference = views[0], views[1]
-st.caption(
-    f"value: **{labels[0]}**, reference: **{labels[1]}**; relative error = "
-    "(value - reference) / |reference|."
-    + (" Further runs appear in the charts only." if len(views) > 2 else "")
-)
-table = comparison_frame(compare_summaries(value.summary, reference.summary))
-st.dataframe(
-    table,
-    hide_index=True,
-    key="cmp-table",
-    column_config={
-        "value": st.column_config.NumberColumn(format="%.4g"),
-        "reference": st.column_config.NumberColumn(format="%.4g"),
-        "relative error (%)": st.column_config.NumberColumn(format="%+.1f %%"),
-    },
-)
-
-st.subheader("Latency CDFs")
-overall = pd.concat(
-    [
-        v.cdfs[v.cdfs["priority_class"] == ALL_CLASSES].assign(run=label)
-        for v, label in zip(views, labels, strict=True)
-        if not v.cdfs.empty
+with guard("comparing " + ", ".join(str(Path(v.path).name) for v in views)):
+    # Labels must be unique: two runs with the same directory name get their parent's too.
+    labels = [v.label for v in views]
+    labels = [
+        f"{label} ({Path(v.path).parent.name})" if labels.count(label) > 1 else label
+        for label, v in zip(labels, views, strict=True)
     ]
-)
-cols = st.columns(3)
-for col, metric in zip(cols, ("ttft", "itl", "e2e"), strict=True):
-    col.plotly_chart(charts.cdf_figure(overall, metric, group="run"), key=f"cmp-cdf-{metric}")
 
-st.subheader("Timelines")
-timelines = {label: v.timeline.frame for v, label in zip(views, labels, strict=True)}
-left, right = st.columns(2)
-left.plotly_chart(
-    charts.overlay_timeline_figure(
-        timelines, "kv_cache_usage_perc", "KV cache usage (%)", scale=100
-    ),
-    key="cmp-kv",
-)
-right.plotly_chart(
-    charts.overlay_timeline_figure(timelines, "num_requests_running", "running requests"),
-    key="cmp-running",
-)
-notes = [
-    f"{label}: {n}" for v, label in zip(views, labels, strict=True) if (n := v.timeline.note())
-]
-if notes:
-    st.caption("; ".join(notes) + ".")
+    st.subheader("Error table")
+    value, reference = views[0], views[1]
+    st.caption(
+        f"value: **{labels[0]}**, reference: **{labels[1]}**; relative error = "
+        "(value - reference) / |reference|."
+        + (" Further runs appear in the charts only." if len(views) > 2 else "")
+    )
+    table = comparison_frame(compare_summaries(value.summary, reference.summary))
+    st.dataframe(
+        table,
+        hide_index=True,
+        key="cmp-table",
+        column_config={
+            "value": st.column_config.NumberColumn(format="%.4g"),
+            "reference": st.column_config.NumberColumn(format="%.4g"),
+            "relative error (%)": st.column_config.NumberColumn(format="%+.1f %%"),
+        },
+    )
+
+    st.subheader("Latency CDFs")
+    overall = pd.concat(
+        [
+            v.cdfs[v.cdfs["priority_class"] == ALL_CLASSES].assign(run=label)
+            for v, label in zip(views, labels, strict=True)
+            if not v.cdfs.empty
+        ]
+    )
+    cols = st.columns(3)
+    for col, metric in zip(cols, ("ttft", "itl", "e2e"), strict=True):
+        col.plotly_chart(charts.cdf_figure(overall, metric, group="run"), key=f"cmp-cdf-{metric}")
+
+    st.subheader("Timelines")
+    timelines = {label: v.timeline.frame for v, label in zip(views, labels, strict=True)}
+    left, right = st.columns(2)
+    left.plotly_chart(
+        charts.overlay_timeline_figure(
+            timelines, "kv_cache_usage_perc", "KV cache usage (%)", scale=100
+        ),
+        key="cmp-kv",
+    )
+    right.plotly_chart(
+        charts.overlay_timeline_figure(timelines, "num_requests_running", "running requests"),
+        key="cmp-running",
+    )
+    notes = [
+        f"{label}: {n}" for v, label in zip(views, labels, strict=True) if (n := v.timeline.note())
+    ]
+    if notes:
+        st.caption("; ".join(notes) + ".")

@@ -1,19 +1,29 @@
 """Run explorer: one run directory's summary, timelines, HBM block map, latency CDFs and the
-per-turn waterfall of one agent session."""
+per-turn waterfall of one agent session.
+
+The title is drawn before pandas, pyarrow and plotly are imported. A run directory that
+cannot be read, or whose files break a chart, is one ``st.error`` paragraph naming it.
+"""
+
+# ruff: noqa: E402 (imports after the title, on purpose)
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import streamlit as st
 
-from dashboard import charts
-from dashboard.components import pick_run, show_summary
-from dashboard.data import PHASES, session_waterfall
-from dashboard.loaders import RunView, load_block_map, load_view, runs_dir
-
 st.title("Run explorer")
+
+from pathlib import Path
+
+with st.spinner("Loading..."):
+    import numpy as np
+
+    from dashboard import charts
+    from dashboard.components import pick_run, show_summary
+    from dashboard.data import PHASES, session_waterfall
+    from dashboard.errors import guard, show_error
+    from dashboard.loaders import RunView, load_block_map, load_view
+    from dashboard.locations import runs_dir
 
 
 def _timeline(view: RunView) -> None:
@@ -36,8 +46,8 @@ def _block_map(path: Path) -> None:
     st.subheader("HBM block map")
     try:
         block_map = load_block_map(path)
-    except ValueError as exc:
-        st.error(str(exc))
+    except Exception as exc:
+        show_error(exc, f"{path}: block map", str(path))
         return
     if block_map is None:
         st.info(
@@ -108,18 +118,16 @@ def _waterfall(view: RunView) -> None:
     )
 
 
-path = pick_run(runs_dir(), key="ex")
+with guard("listing the runs"):
+    path = pick_run(runs_dir(), key="ex")
 if path is not None:
-    try:
+    with guard(f"run directory {path}", str(path)):
         view = load_view(path)
-    except ValueError as exc:
-        st.error(str(exc))
-        st.stop()
-    with st.expander("Summary", expanded=True):
-        show_summary(view.summary, key="ex")
-    _timeline(view)
-    _block_map(Path(view.path))
-    _cdfs(view)
-    _waterfall(view)
-    with st.expander("Scenario as resolved"):
-        st.code(view.scenario_yaml or "(no scenario.yaml)", language="yaml")
+        with st.expander("Summary", expanded=True):
+            show_summary(view.summary, key="ex")
+        _timeline(view)
+        _block_map(Path(view.path))
+        _cdfs(view)
+        _waterfall(view)
+        with st.expander("Scenario as resolved"):
+            st.code(view.scenario_yaml or "(no scenario.yaml)", language="yaml")

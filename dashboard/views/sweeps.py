@@ -4,14 +4,20 @@ kvsim has no sweep command yet; this page only appears in the navigation once su
 exist, and shows each one as written: its parameters and a table of its result records.
 """
 
+# ruff: noqa: E402 (imports after the title, on purpose)
+
 from __future__ import annotations
 
-import pandas as pd
 import streamlit as st
 
-from dashboard.loaders import list_sweeps, load_json, runs_dir
-
 st.title("Sweeps")
+
+import pandas as pd
+
+from dashboard.errors import show_error
+from dashboard.loaders import load_json
+from dashboard.locations import list_sweeps, runs_dir
+
 st.caption(
     "A simple reader of `sweeps/*/sweep.json` files under the runs directory. kvsim has no "
     "sweep command yet; this page shows whatever those files hold."
@@ -25,8 +31,8 @@ for file in files:
     st.subheader(file.parent.name)
     try:
         data = load_json(file)
-    except ValueError as exc:
-        st.error(str(exc))
+    except Exception as exc:
+        show_error(exc, str(file), str(file.resolve()))
         continue
     records = None
     if isinstance(data, list):

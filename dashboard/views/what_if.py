@@ -1,6 +1,22 @@
-"""What-if: pick or upload a scenario, edit its key knobs, simulate, read the summary, save."""
+"""What-if: pick or upload a scenario, edit its key knobs, simulate, read the summary, save.
+
+The title is drawn before anything heavy is imported: the simulator and the charts load
+while it is on screen (the first page must paint within a second). Every failure (a
+scenario, model config or trace that cannot be read, a simulation that raises, a save that
+cannot write) is one ``st.error`` paragraph (``dashboard.errors``), never a traceback.
+"""
+
+# ruff: noqa: E402 (imports after the title, on purpose)
 
 from __future__ import annotations
+
+import streamlit as st
+
+st.title("What-if")
+st.caption(
+    "Change a vLLM config or the traffic and see what the simulated engine does with it. "
+    "Edits are applied as `--set` overrides on the scenario, exactly like `kvsim run --set`."
+)
 
 import hashlib
 import re
@@ -8,26 +24,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import streamlit as st
-import yaml
-
-from dashboard import charts
-from dashboard.components import show_summary
-from dashboard.data import every_kth, flatten_times, latency_cdfs
+from dashboard.errors import guard, show_error
 from dashboard.knobs import Knob, build_overrides, knobs_for, question, scenario_from
-from dashboard.loaders import runs_dir
+from dashboard.locations import runs_dir
+from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError
-from sim.results import new_run_dir
-from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR
 
 RESULT = "what_if_result"
-
-st.title("What-if")
-st.caption(
-    "Change a vLLM config or the traffic and see what the simulated engine does with it. "
-    "Edits are applied as `--set` overrides on the scenario, exactly like `kvsim run --set`."
-)
 
 
 def _read_source() -> tuple[str, str, Path | None, str] | None:
@@ -71,6 +75,9 @@ def _knob_widget(knob: Knob, key: str) -> Any:
 
 
 def _run(scenario, overrides: list[str], source: str) -> None:
+    with st.spinner("Loading the simulator..."):
+        from sim.runner import simulate
+
     bar = st.progress(0.0, text=f"simulating {scenario.name}...")
     limit_s = scenario.limits.max_duration_s
 
@@ -85,9 +92,9 @@ def _run(scenario, overrides: list[str], source: str) -> None:
     started = time.perf_counter()
     try:
         result = simulate(scenario, progress=progress)
-    except ValueError as exc:  # KvsimConfigError (sizing), or a workload's own check
+    except Exception as exc:  # KvsimConfigError (sizing, a trace), or whatever else breaks
         bar.empty()
-        st.error(str(exc))
+        show_error(exc, f"{source}: simulating {scenario.name}")
         return
     bar.empty()
     st.session_state[RESULT] = {
@@ -100,6 +107,12 @@ def _run(scenario, overrides: list[str], source: str) -> None:
 
 
 def _show_result(state: dict[str, Any]) -> None:
+    with st.spinner("Loading the charts..."):
+        from dashboard import charts
+        from dashboard.components import show_summary
+        from dashboard.data import every_kth, flatten_times, latency_cdfs
+        from sim.results import claim_new_run_dir
+
     result = state["result"]
     st.subheader("Result")
     sets = " ".join(f"--set {o}" for o in state["overrides"])
@@ -123,42 +136,51 @@ def _show_result(state: dict[str, Any]) -> None:
     name = name_col.text_input("Run name", value=result.scenario.name, key="wi-save-name")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or result.scenario.name
     if button_col.button("Save run", key="wi-save", disabled=state["saved"] is not None):
-        out = result.write(new_run_dir(base, name))  # with its block map
+        with guard(f"saving the run to {base}"):
+            # Claimed atomically: two sessions saving at once get two folders.
+            out = result.write(claim_new_run_dir(base, name))  # with its block map
         state["saved"] = out
         st.rerun()
     if state["saved"] is not None:
         st.success(f"Saved to `{state['saved']}`: open it in the Run explorer.")
 
 
-picked = _read_source()
+with guard("reading the scenario"):
+    picked = _read_source()
 if picked is not None:
     text, source_name, base_dir, prefix = picked
     try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        st.error(f"{source_name}: not valid YAML: {exc}")
+        # kvsim's own reader: duplicate keys and alias bombs are refused, never expanded.
+        document = load_yaml(text, source_name)
+    except KvsimConfigError as exc:
+        st.error(str(exc))
+        st.stop()
+    except Exception as exc:
+        show_error(exc, f"{source_name}: reading the YAML")
         st.stop()
     if not isinstance(document, dict):
         st.error(f"{source_name}: a scenario is a YAML mapping, got {type(document).__name__}")
         st.stop()
-    if q := question(text):
-        st.info(q)
-    knobs = knobs_for(document)
-    with st.form(f"{prefix}-form"):
-        cols = st.columns(4)
-        values = {}
-        for i, knob in enumerate(knobs):
-            with cols[i % 4]:
-                values[knob.path] = _knob_widget(knob, f"{prefix}-{knob.path}")
-        submitted = st.form_submit_button("Run simulation", type="primary", key="wi-run")
+    with guard(f"{source_name}: reading the knobs"):
+        if q := question(text):
+            st.info(q)
+        knobs = knobs_for(document)
+        with st.form(f"{prefix}-form"):
+            cols = st.columns(4)
+            values = {}
+            for i, knob in enumerate(knobs):
+                with cols[i % 4]:
+                    values[knob.path] = _knob_widget(knob, f"{prefix}-{knob.path}")
+            submitted = st.form_submit_button("Run simulation", type="primary", key="wi-run")
     if submitted:
-        overrides = build_overrides(knobs, values)
         try:
+            overrides = build_overrides(knobs, values)
             scenario = scenario_from(document, overrides, source_name, base_dir)
-        except KvsimConfigError as exc:
-            st.error(str(exc))
+        except Exception as exc:  # KvsimConfigError, or a model/trace file that breaks
+            show_error(exc, source_name)
         else:
             _run(scenario, overrides, source_name)
 
 if RESULT in st.session_state:
-    _show_result(st.session_state[RESULT])
+    with guard("showing the result"):
+        _show_result(st.session_state[RESULT])

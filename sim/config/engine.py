@@ -8,38 +8,57 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from sim.config.limits import (
+    MAX_NUM_GPU_BLOCKS,
+    MAX_NUM_SEQS,
+    MAX_TENSOR_PARALLEL,
+    MAX_TOKENS,
+    KvsimModel,
+)
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
 
-class EngineConfig(BaseModel):
+class EngineConfig(KvsimModel):
     """vLLM engine arguments that the simulated KV cache and scheduler obey."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    block_size: int = Field(16, gt=0, description="Tokens per KV block (vLLM GPU default 16).")
+    block_size: int = Field(
+        16, gt=0, le=MAX_TOKENS, description="Tokens per KV block (vLLM GPU default 16)."
+    )
     num_gpu_blocks_override: int | None = Field(
         None,
         gt=1,
+        le=MAX_NUM_GPU_BLOCKS,
         description="Pin the number of KV blocks (including vLLM's null block 0) instead of "
         "deriving it from HBM.",
     )
     gpu_memory_utilization: float = Field(
         0.92, gt=0.0, le=1.0, description="Fraction of HBM vLLM may use (weights + KV + rest)."
     )
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs the model is sharded over.")
-    max_num_batched_tokens: int = Field(
-        8192, gt=0, description="Token budget of one engine step (prefill chunks + decodes)."
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=MAX_TENSOR_PARALLEL, description="GPUs the model is sharded over."
     )
-    max_num_seqs: int = Field(256, gt=0, description="Most requests running in one step.")
-    max_model_len: int = Field(32768, gt=0, description="Longest prompt + output, in tokens.")
+    max_num_batched_tokens: int = Field(
+        8192,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Token budget of one engine step (prefill chunks + decodes).",
+    )
+    max_num_seqs: int = Field(
+        256, gt=0, le=MAX_NUM_SEQS, description="Most requests running in one step."
+    )
+    max_model_len: int = Field(
+        32768, gt=0, le=MAX_TOKENS, description="Longest prompt + output, in tokens."
+    )
     enable_chunked_prefill: bool = Field(
         True, description="Split long prefills over steps to fit the token budget."
     )
     long_prefill_token_threshold: int = Field(
         0,
         ge=0,
+        le=MAX_TOKENS,
         description="Cap on tokens one request may prefill per step (0 = no cap).",
     )
     enable_prefix_caching: bool = Field(

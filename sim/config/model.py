@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from sim.errors import KvsimConfigError
+from sim.config.limits import MAX_LAYERS, MAX_MODEL_DIM, MAX_PARAMS, MAX_TOKENS, KvsimModel
+from sim.config.loading import is_dir, is_file, load_json_object
+from sim.errors import KvsimConfigError, format_validation_error, short_repr
 
 Dtype = Literal["bfloat16", "float16", "float32"]
 
@@ -19,30 +20,44 @@ DTYPE_BYTES: dict[str, int] = {"bfloat16": 2, "float16": 2, "float32": 4}
 _QKV_BIAS_MODEL_TYPES = frozenset({"qwen2"})
 
 
-class ModelGeometry(BaseModel):
+class ModelGeometry(KvsimModel):
     """Shape of a dense (or MoE, via ``num_active_params``) decoder-only transformer."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    name: str = Field(description="Name shown in reports, e.g. 'Llama-3.1-8B'.")
-    num_hidden_layers: int = Field(gt=0, description="Decoder layers; each holds its own KV.")
-    hidden_size: int = Field(gt=0, description="Width of the residual stream.")
-    num_attention_heads: int = Field(gt=0, description="Query heads per layer.")
-    num_key_value_heads: int = Field(
-        gt=0, description="KV heads per layer (fewer than query heads under GQA)."
+    name: str = Field(max_length=200, description="Name shown in reports, e.g. 'Llama-3.1-8B'.")
+    num_hidden_layers: int = Field(
+        gt=0, le=MAX_LAYERS, description="Decoder layers; each holds its own KV."
     )
-    head_dim: int = Field(gt=0, description="Width of one attention head.")
-    intermediate_size: int = Field(gt=0, description="Width of the MLP (gate/up projections).")
-    vocab_size: int = Field(gt=0, description="Rows of the embedding and of the logits.")
+    hidden_size: int = Field(gt=0, le=MAX_MODEL_DIM, description="Width of the residual stream.")
+    num_attention_heads: int = Field(gt=0, le=MAX_MODEL_DIM, description="Query heads per layer.")
+    num_key_value_heads: int = Field(
+        gt=0, le=MAX_MODEL_DIM, description="KV heads per layer (fewer than query heads under GQA)."
+    )
+    head_dim: int = Field(gt=0, le=MAX_MODEL_DIM, description="Width of one attention head.")
+    intermediate_size: int = Field(
+        gt=0, le=MAX_MODEL_DIM, description="Width of the MLP (gate/up projections)."
+    )
+    vocab_size: int = Field(
+        gt=0, le=MAX_MODEL_DIM, description="Rows of the embedding and of the logits."
+    )
     dtype: Dtype = Field("bfloat16", description="Dtype of the weights and of the KV cache.")
-    num_params: int = Field(gt=0, description="Total parameter count (all experts for MoE).")
+    num_params: int = Field(
+        gt=0, le=MAX_PARAMS, description="Total parameter count (all experts for MoE)."
+    )
     num_active_params: int | None = Field(
         None,
         gt=0,
+        le=MAX_PARAMS,
         description="Parameters used per token (MoE); None means all of num_params.",
     )
     tie_word_embeddings: bool = Field(
         False, description="lm_head shares the embedding matrix (no separate lm_head weights)."
+    )
+    max_position_embeddings: int | None = Field(
+        None,
+        gt=0,
+        le=MAX_TOKENS,
+        description="Longest sequence the model was trained for (config.json's "
+        "max_position_embeddings); vLLM refuses a larger max_model_len. None: unknown.",
     )
     source_path: str | None = Field(
         None, description="The config.json this geometry was read from (None for presets)."
@@ -123,6 +138,7 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
             vocab_size=128256,
             dtype="bfloat16",
             num_params=8_030_261_248,
+            max_position_embeddings=131_072,
         ),
         ModelGeometry(
             name="Llama-3.1-70B",
@@ -135,6 +151,7 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
             vocab_size=128256,
             dtype="bfloat16",
             num_params=70_553_706_496,
+            max_position_embeddings=131_072,
         ),
         ModelGeometry(
             name="Qwen2.5-7B",
@@ -147,6 +164,7 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
             vocab_size=152064,
             dtype="bfloat16",
             num_params=7_615_616_512,
+            max_position_embeddings=131_072,
         ),
         ModelGeometry(
             name="Qwen2.5-32B",
@@ -159,6 +177,7 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
             vocab_size=152064,
             dtype="bfloat16",
             num_params=32_763_876_352,
+            max_position_embeddings=131_072,
         ),
         ModelGeometry(
             name="Mistral-7B",
@@ -171,6 +190,7 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
             vocab_size=32768,
             dtype="bfloat16",
             num_params=7_248_023_552,
+            max_position_embeddings=32_768,
         ),
         ModelGeometry(
             name="Llama-2-13B",
@@ -183,6 +203,7 @@ MODEL_PRESETS: dict[str, ModelGeometry] = {
             vocab_size=32000,
             dtype="float16",
             num_params=13_015_864_320,
+            max_position_embeddings=4_096,
         ),
     )
 }
@@ -214,60 +235,102 @@ def estimate_num_params(
     return embeddings + num_hidden_layers * per_layer + hidden_size + lm_head
 
 
+class HfConfigFields(BaseModel):
+    """The fields of a Hugging Face config.json that kvsim reads, with their types checked
+    before any arithmetic on them (other keys are ignored, as vLLM ignores what it does not
+    use)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True, allow_inf_nan=False, strict=True)
+
+    num_hidden_layers: int = Field(gt=0, le=MAX_LAYERS, description="Decoder layers.")
+    hidden_size: int = Field(gt=0, le=MAX_MODEL_DIM, description="Residual stream width.")
+    num_attention_heads: int = Field(gt=0, le=MAX_MODEL_DIM, description="Query heads.")
+    num_key_value_heads: int | None = Field(
+        None, gt=0, le=MAX_MODEL_DIM, description="KV heads; None: as many as query heads."
+    )
+    head_dim: int | None = Field(
+        None, gt=0, le=MAX_MODEL_DIM, description="Head width; None: hidden_size // heads."
+    )
+    intermediate_size: int = Field(gt=0, le=MAX_MODEL_DIM, description="MLP width.")
+    vocab_size: int = Field(gt=0, le=MAX_MODEL_DIM, description="Vocabulary rows.")
+    tie_word_embeddings: bool = Field(False, description="lm_head shares the embeddings.")
+    dtype: str | None = Field(None, description="Weight dtype (transformers >= 4.56).")
+    torch_dtype: str | None = Field(None, description="Weight dtype (older transformers).")
+    num_params: int | None = Field(None, gt=0, le=MAX_PARAMS, description="Total parameters.")
+    num_active_params: int | None = Field(
+        None, gt=0, le=MAX_PARAMS, description="Parameters used per token (MoE)."
+    )
+    attention_bias: bool | None = Field(None, description="q/k/v projections carry a bias.")
+    model_type: str | None = Field(None, description="Architecture family, e.g. 'llama'.")
+    max_position_embeddings: int | None = Field(
+        None, gt=0, description="Longest trained sequence (vLLM's max_model_len bound)."
+    )
+
+
 def load_model_config_json(path: str | Path, name: str | None = None) -> ModelGeometry:
     """Read a Hugging Face config.json into a ModelGeometry.
 
     Missing ``num_key_value_heads`` means multi-head attention, missing ``head_dim`` means
     ``hidden_size // num_attention_heads``, missing dtype means bfloat16. ``num_params`` is
     taken from the file when present (kvsim's shipped configs carry it), else estimated with
-    :func:`estimate_num_params`. ``name`` defaults to the folder holding the file.
+    :func:`estimate_num_params`. ``name`` defaults to the folder holding the file. A file
+    that is not a JSON object, or whose fields have the wrong type or an impossible value,
+    raises KvsimConfigError naming the file and the field.
     """
     path = Path(path)
+    source = f"model config {path}"
+    raw = load_json_object(path, "model config")
     try:
-        raw: dict[str, Any] = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise KvsimConfigError(f"cannot read model config {path}: {exc}") from exc
-    required = (
-        "num_hidden_layers",
-        "hidden_size",
-        "num_attention_heads",
-        "intermediate_size",
-        "vocab_size",
-    )
-    missing = [key for key in required if key not in raw]
-    if missing:
-        raise KvsimConfigError(f"model config {path} lacks {', '.join(missing)}")
-
-    num_heads = raw["num_attention_heads"]
+        fields = HfConfigFields.model_validate(raw)
+    except ValidationError as exc:
+        raise KvsimConfigError(format_validation_error(exc, source)) from None
+    num_heads = fields.num_attention_heads
+    head_dim = fields.head_dim or fields.hidden_size // num_heads
+    if head_dim < 1:
+        raise KvsimConfigError(
+            f"{source}: hidden_size={fields.hidden_size} // num_attention_heads={num_heads} "
+            "is 0; give head_dim"
+        )
     geometry = {
-        "num_hidden_layers": raw["num_hidden_layers"],
-        "hidden_size": raw["hidden_size"],
+        "num_hidden_layers": fields.num_hidden_layers,
+        "hidden_size": fields.hidden_size,
         "num_attention_heads": num_heads,
-        "num_key_value_heads": raw.get("num_key_value_heads") or num_heads,
-        "head_dim": raw.get("head_dim") or raw["hidden_size"] // num_heads,
-        "intermediate_size": raw["intermediate_size"],
-        "vocab_size": raw["vocab_size"],
-        "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
+        "num_key_value_heads": fields.num_key_value_heads or num_heads,
+        "head_dim": head_dim,
+        "intermediate_size": fields.intermediate_size,
+        "vocab_size": fields.vocab_size,
+        "tie_word_embeddings": fields.tie_word_embeddings,
     }
     # transformers >= 4.56 writes "dtype"; older files say "torch_dtype".
-    dtype = raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"
+    dtype_key = "dtype" if fields.dtype else "torch_dtype"
+    dtype = fields.dtype or fields.torch_dtype or "bfloat16"
     if dtype not in DTYPE_BYTES:
         raise KvsimConfigError(
-            f"model config {path} has dtype {dtype!r}; kvsim knows {', '.join(DTYPE_BYTES)}"
+            f"{source}: {dtype_key} = {short_repr(dtype)}: kvsim knows {', '.join(DTYPE_BYTES)}"
         )
-    num_params = raw.get("num_params")
+    num_params = fields.num_params
     if num_params is None:
-        attention_bias = raw.get("attention_bias", raw.get("model_type") in _QKV_BIAS_MODEL_TYPES)
-        num_params = estimate_num_params(**geometry, attention_bias=bool(attention_bias))
+        attention_bias = fields.attention_bias
+        if attention_bias is None:
+            attention_bias = fields.model_type in _QKV_BIAS_MODEL_TYPES
+        num_params = estimate_num_params(**geometry, attention_bias=attention_bias)
     default_name = path.parent.name if path.name == "config.json" else path.stem
-    return ModelGeometry(
-        name=name or default_name or str(path),
-        dtype=dtype,
-        num_params=num_params,
-        num_active_params=raw.get("num_active_params"),
-        source_path=str(path.resolve()),
-        **geometry,
-    )
+    max_position_embeddings = fields.max_position_embeddings
+    if max_position_embeddings is not None:
+        # Beyond kvsim's token bound, the model's own bound never binds.
+        max_position_embeddings = min(max_position_embeddings, MAX_TOKENS)
+    try:
+        return ModelGeometry(
+            name=name or default_name or str(path),
+            dtype=dtype,
+            num_params=num_params,
+            num_active_params=fields.num_active_params,
+            max_position_embeddings=max_position_embeddings,
+            source_path=str(path.resolve()),
+            **geometry,
+        )
+    except ValidationError as exc:
+        raise KvsimConfigError(format_validation_error(exc, source)) from None
 
 
 def resolve_model(name_or_path: str | Path | ModelGeometry) -> ModelGeometry:
@@ -279,11 +342,11 @@ def resolve_model(name_or_path: str | Path | ModelGeometry) -> ModelGeometry:
     if preset is not None:
         return preset
     path = Path(name_or_path)
-    if path.is_dir() and (path / "config.json").is_file():
+    if is_dir(path) and is_file(path / "config.json"):
         return load_model_config_json(path / "config.json")
-    if path.is_file():
+    if is_file(path):
         return load_model_config_json(path)
     raise KvsimConfigError(
-        f"model {str(name_or_path)!r} is neither a preset ({', '.join(MODEL_PRESETS)}) "
-        "nor a path to a config.json"
+        f"model {short_repr(str(name_or_path))} is neither a preset "
+        f"({', '.join(MODEL_PRESETS)}) nor a path to a config.json"
     )

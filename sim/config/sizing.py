@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from sim.config.engine import EngineConfig
 from sim.config.hardware import GIB, Hardware
+from sim.config.limits import MAX_NUM_GPU_BLOCKS
 from sim.config.model import ModelGeometry
 from sim.errors import KvsimConfigError
 
@@ -110,6 +111,13 @@ def size_kv_cache(model: ModelGeometry, hardware: Hardware, engine: EngineConfig
                 f"{hardware.name} holds {num_gpu_blocks} blocks of {bytes_per_block} bytes "
                 f"(block_size={engine.block_size}), but vLLM needs at least 2; raise "
                 "gpu_memory_utilization or tensor_parallel_size"
+            )
+        if num_gpu_blocks > MAX_NUM_GPU_BLOCKS:
+            raise KvsimConfigError(
+                f"{_gib(kv_cache_bytes)} left for the KV cache of {model.name} on "
+                f"{hardware.name} holds {num_gpu_blocks:,} blocks of {engine.block_size} tokens, "
+                f"more than kvsim simulates ({MAX_NUM_GPU_BLOCKS:,}); set "
+                "engine.num_gpu_blocks_override, lower gpu_memory_utilization or raise block_size"
             )
     num_usable_blocks = num_gpu_blocks - NUM_NULL_BLOCKS
 

@@ -13,8 +13,15 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from sim.config.limits import (
+    MAX_FANOUT_WIDTH,
+    MAX_SESSIONS,
+    MAX_TOKENS,
+    MAX_VOCAB_SIZE,
+    KvsimModel,
+)
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
 from sim.workload.distributions import (
@@ -35,13 +42,13 @@ from sim.workload.distributions import (
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
 
-class FanoutConfig(BaseModel):
+class FanoutConfig(KvsimModel):
     """Sub-agents: some turns launch ``width`` parallel calls on the turn's full context."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     probability: float = Field(ge=0, le=1, description="Chance that a turn fans out.")
-    width: int = Field(ge=1, description="Parallel sub-agent calls in a fan-out turn.")
+    width: int = Field(
+        ge=1, le=MAX_FANOUT_WIDTH, description="Parallel sub-agent calls in a fan-out turn."
+    )
     task_tokens: LengthDist = Field(
         FixedLength(value=64), description="Unique tokens each sub-call adds after the context."
     )
@@ -50,13 +57,11 @@ class FanoutConfig(BaseModel):
     )
 
 
-class AgentSessionsWorkload(BaseModel):
+class AgentSessionsWorkload(KvsimModel):
     """Agent sessions whose context grows every turn, separated by tool waits."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     kind: Literal["agent_sessions"] = "agent_sessions"
-    sessions: int = Field(gt=0, description="Number of sessions.")
+    sessions: int = Field(gt=0, le=MAX_SESSIONS, description="Number of sessions.")
     session_arrival: ArrivalProcess = Field(
         PoissonArrivals(rate_per_s=1.0), description="When sessions start."
     )
@@ -66,10 +71,13 @@ class AgentSessionsWorkload(BaseModel):
         "10.9, BFCL 6.3).",
     )
     system_prompt_tokens: int = Field(
-        2000, ge=0, description="System prompt tokens, identical in every session."
+        2000, ge=0, le=MAX_TOKENS, description="System prompt tokens, identical in every session."
     )
     tool_schema_tokens: int = Field(
-        1500, ge=0, description="Tool schema tokens after the system prompt, shared by all."
+        1500,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Tool schema tokens after the system prompt, shared by all.",
     )
     user_message_tokens: LengthDist = Field(
         LogNormalLength(median=200, sigma=0.8, min=16, max=4000),
@@ -94,11 +102,15 @@ class AgentSessionsWorkload(BaseModel):
     max_context_tokens: int | None = Field(
         None,
         gt=0,
+        le=MAX_TOKENS,
         description="A session ends when its next prompt + output would exceed this (or the "
         "engine's max_model_len, whichever is smaller).",
     )
     vocab_size: int = Field(
-        DEFAULT_VOCAB_SIZE, gt=MIN_TOKEN_ID, description="Token ids are drawn below this."
+        DEFAULT_VOCAB_SIZE,
+        gt=MIN_TOKEN_ID,
+        le=MAX_VOCAB_SIZE,
+        description="Token ids are drawn below this.",
     )
 
     @model_validator(mode="after")

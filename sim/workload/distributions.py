@@ -8,19 +8,34 @@ child spawned from it), never from global state.
 from __future__ import annotations
 
 import csv
+import io
 import math
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import numpy as np
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
+
+from sim.config.limits import (
+    MAX_ABS_PRIORITY,
+    MAX_DATA_FILE_BYTES,
+    MAX_RATE_PER_S,
+    MAX_REQUESTS,
+    MAX_SECONDS,
+    MAX_TOKENS,
+    MAX_WEIGHT,
+    MIN_RATE_PER_S,
+    KvsimModel,
+)
+from sim.config.loading import read_text
+from sim.errors import KvsimConfigError, short_repr
 
 # z-score of the 95th percentile of a standard normal: p95 = median * exp(1.645 * sigma).
 _Z95 = 1.6448536269514722
 
 
-class _Config(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+class _Config(KvsimModel):
+    """A frozen distribution config (see :class:`KvsimModel`)."""
 
 
 class _Stashed:
@@ -58,7 +73,9 @@ class FixedLength(_Config):
     """Always the same length."""
 
     kind: Literal["fixed"] = "fixed"
-    value: int = Field(gt=0, description="The length (tokens, or turns for turns-per-session).")
+    value: int = Field(
+        gt=0, le=MAX_TOKENS, description="The length (tokens, or turns for turns-per-session)."
+    )
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` copies of ``value``."""
@@ -69,8 +86,8 @@ class UniformLength(_Config):
     """Uniform integer length in ``[low, high]``, both ends included."""
 
     kind: Literal["uniform"] = "uniform"
-    low: int = Field(gt=0, description="Smallest length, inclusive.")
-    high: int = Field(gt=0, description="Largest length, inclusive.")
+    low: int = Field(gt=0, le=MAX_TOKENS, description="Smallest length, inclusive.")
+    high: int = Field(gt=0, le=MAX_TOKENS, description="Largest length, inclusive.")
 
     @model_validator(mode="after")
     def _check_range(self) -> UniformLength:
@@ -87,10 +104,16 @@ class LogNormalLength(_Config):
     """Log-normal length (heavy right tail, like prompt and output lengths), rounded, clipped."""
 
     kind: Literal["lognormal"] = "lognormal"
-    median: float = Field(gt=0, description="Median length (exp of the log-mean).")
-    sigma: float = Field(ge=0, description="Standard deviation of the log length.")
-    min: int = Field(1, ge=1, description="Lengths below this are raised to it.")
-    max: int | None = Field(None, ge=1, description="Lengths above this are cut to it.")
+    median: float = Field(gt=0, le=MAX_TOKENS, description="Median length (exp of the log-mean).")
+    sigma: float = Field(ge=0, le=10, description="Standard deviation of the log length.")
+    min: int = Field(1, ge=1, le=MAX_TOKENS, description="Lengths below this are raised to it.")
+    max: int | None = Field(
+        None,
+        ge=1,
+        le=MAX_TOKENS,
+        description="Lengths above this are cut to it (None: at "
+        f"{MAX_TOKENS:,}, kvsim's bound on any length).",
+    )
 
     @model_validator(mode="after")
     def _check_range(self) -> LogNormalLength:
@@ -101,7 +124,8 @@ class LogNormalLength(_Config):
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` log-normal lengths, rounded to integers and clipped to ``[min, max]``."""
         draws = np.rint(rng.lognormal(math.log(self.median), self.sigma, size=n))
-        return np.clip(draws, self.min, self.max).astype(np.int64)
+        upper = MAX_TOKENS if self.max is None else self.max
+        return np.clip(draws, self.min, upper).astype(np.int64)
 
 
 class EmpiricalLength(_Config):
@@ -109,7 +133,9 @@ class EmpiricalLength(_Config):
     column). The file is read on first use, not when the scenario is parsed."""
 
     kind: Literal["empirical"] = "empirical"
-    values: list[int] | None = Field(None, description="Observed lengths to resample from.")
+    values: list[int] | None = Field(
+        None, max_length=MAX_REQUESTS, description="Observed lengths to resample from."
+    )
     path: str | None = Field(
         None, description="File of observed lengths: one integer per line, or a .csv file."
     )
@@ -124,53 +150,76 @@ class EmpiricalLength(_Config):
         if self.values is not None:
             if not self.values:
                 raise ValueError("empirical length: values is empty")
-            bad = [v for v in self.values if v < 1]
+            bad = [v for v in self.values if not 1 <= v <= MAX_TOKENS]
             if bad:
-                raise ValueError(f"empirical length: values must be >= 1, got {bad[:5]}")
+                raise ValueError(
+                    f"empirical length: values must be between 1 and {MAX_TOKENS:,}, "
+                    f"got {short_repr(bad)}"
+                )
         if self.column is not None and self.path is None:
             raise ValueError(f"empirical length: column={self.column!r} needs a path")
         return self
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` lengths drawn with replacement from the observed ones."""
+        return rng.choice(self.observed(), size=n)
+
+    def observed(self) -> np.ndarray:
+        """The observed lengths (a ``path`` is read once, on first use); a file that cannot
+        be read, or holds a bad length, raises KvsimConfigError naming it."""
         observed = stashed(self, "_observed")
         if observed is None:
             values = self.values if self.values is not None else _read_lengths(self)
             observed = np.asarray(values, dtype=np.int64)
             stash(self, "_observed", observed)
-        return rng.choice(observed, size=n)
+        return observed
 
 
 def _read_lengths(dist: EmpiricalLength) -> list[int]:
     path = Path(dist.path or "")
+    text = read_text(path, "empirical lengths file", MAX_DATA_FILE_BYTES)
     values: list[int] = []
-    with path.open(newline="") as f:
-        if path.suffix.lower() == ".csv":
-            reader = csv.DictReader(f)
+    if path.suffix.lower() == ".csv":
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        try:
             fields = reader.fieldnames or []
-            column = dist.column
-            if column is None:
-                if len(fields) != 1:
-                    raise ValueError(f"{path}: {len(fields)} columns {fields}; set column")
-                column = fields[0]
-            if column not in fields:
-                raise ValueError(f"{path}: no column {column!r}; columns are {fields}")
-            lines = ((reader.line_num, row[column]) for row in reader)
-        else:
-            lines = ((i, line) for i, line in enumerate(f, start=1))
-        for line_num, text in lines:
-            text = (text or "").strip()
-            if not text or text.startswith("#"):
+        except csv.Error as exc:
+            raise KvsimConfigError(f"{path}: not valid CSV ({exc})") from None
+        column = dist.column
+        if column is None:
+            if len(fields) != 1:
+                raise KvsimConfigError(
+                    f"{path}: {len(fields)} columns {short_repr(fields)}; set column"
+                )
+            column = fields[0]
+        if column not in fields:
+            raise KvsimConfigError(
+                f"{path}: no column {short_repr(column)}; columns are {short_repr(fields)}"
+            )
+        lines = ((reader.line_num, row.get(column)) for row in reader)
+    else:
+        lines = ((i, line) for i, line in enumerate(text.splitlines(), start=1))
+    try:
+        for line_num, cell in lines:
+            cell = (cell or "").strip()
+            if not cell or cell.startswith("#"):
                 continue
             try:
-                value = int(text)
+                value = int(cell)
             except ValueError:
                 value = 0
-            if value < 1:
-                raise ValueError(f"{path}:{line_num}: length {text!r} is not an integer >= 1")
+            if not 1 <= value <= MAX_TOKENS:
+                raise KvsimConfigError(
+                    f"{path}:{line_num}: length {short_repr(cell)} is not an integer between 1 "
+                    f"and {MAX_TOKENS:,}"
+                )
             values.append(value)
+            if len(values) > MAX_REQUESTS:
+                raise KvsimConfigError(f"{path}: more than {MAX_REQUESTS:,} lengths")
+    except csv.Error as exc:
+        raise KvsimConfigError(f"{path}: not valid CSV ({exc})") from None
     if not values:
-        raise ValueError(f"{path}: no lengths")
+        raise KvsimConfigError(f"{path}: no lengths")
     return values
 
 
@@ -184,7 +233,9 @@ class PoissonArrivals(_Config):
     """Memoryless arrivals: exponential gaps at a constant mean rate."""
 
     kind: Literal["poisson"] = "poisson"
-    rate_per_s: float = Field(gt=0, description="Mean arrivals per second.")
+    rate_per_s: float = Field(
+        ge=MIN_RATE_PER_S, le=MAX_RATE_PER_S, description="Mean arrivals per second."
+    )
 
     def arrival_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """Sorted arrival times (s) of ``n`` arrivals; the first comes one gap after 0."""
@@ -195,9 +246,13 @@ class GammaArrivals(_Config):
     """Bursty (cv > 1) or regular (cv < 1) arrivals: gamma-distributed gaps."""
 
     kind: Literal["gamma"] = "gamma"
-    rate_per_s: float = Field(gt=0, description="Mean arrivals per second.")
+    rate_per_s: float = Field(
+        ge=MIN_RATE_PER_S, le=MAX_RATE_PER_S, description="Mean arrivals per second."
+    )
     cv: float = Field(
-        gt=0, description="Coefficient of variation of the gaps (1 = Poisson, > 1 = bursty)."
+        ge=1e-3,
+        le=1e3,
+        description="Coefficient of variation of the gaps (1 = Poisson, > 1 = bursty).",
     )
 
     def arrival_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -210,7 +265,7 @@ class BurstArrivals(_Config):
     """Everything arrives at once (a fleet of agents started together)."""
 
     kind: Literal["burst"] = "burst"
-    at_s: float = Field(0.0, ge=0, description="When the burst arrives (s).")
+    at_s: float = Field(0.0, ge=0, le=MAX_SECONDS, description="When the burst arrives (s).")
 
     def arrival_times(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` copies of ``at_s``."""
@@ -227,8 +282,8 @@ class LogNormalLatency(_Config):
     """Heavy-tailed tool latency given by its median and 95th percentile."""
 
     kind: Literal["lognormal"] = "lognormal"
-    median_s: float = Field(gt=0, description="Median tool latency (s).")
-    p95_s: float = Field(gt=0, description="95th-percentile tool latency (s).")
+    median_s: float = Field(ge=1e-6, le=MAX_SECONDS, description="Median tool latency (s).")
+    p95_s: float = Field(gt=0, le=MAX_SECONDS, description="95th-percentile tool latency (s).")
 
     @model_validator(mode="after")
     def _check_tail(self) -> LogNormalLatency:
@@ -252,7 +307,7 @@ class FixedLatency(_Config):
     """The same tool latency every time (exact timing in tests and what-ifs)."""
 
     kind: Literal["fixed"] = "fixed"
-    value_s: float = Field(ge=0, description="Tool latency (s).")
+    value_s: float = Field(ge=0, le=MAX_SECONDS, description="Tool latency (s).")
 
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` copies of ``value_s``."""
@@ -266,18 +321,33 @@ LatencyDist = Annotated[LogNormalLatency | FixedLatency, Field(discriminator="ki
 class PriorityClass(_Config):
     """A share of the traffic with one vLLM priority (interactive users, background agents)."""
 
-    name: str = Field(min_length=1, description="Label recorded with each request.")
-    priority: int = Field(0, description="vLLM request priority: lower is scheduled first.")
-    weight: float = Field(1.0, gt=0, description="Relative share of requests (or sessions).")
+    name: str = Field(min_length=1, max_length=100, description="Label recorded with each request.")
+    priority: int = Field(
+        0,
+        ge=-MAX_ABS_PRIORITY,
+        le=MAX_ABS_PRIORITY,
+        description="vLLM request priority: lower is scheduled first.",
+    )
+    weight: float = Field(
+        1.0, gt=0, le=MAX_WEIGHT, description="Relative share of requests (or sessions)."
+    )
 
 
 DEFAULT_PRIORITY_CLASSES = (PriorityClass(name="default"),)
+
+
+# Most traffic classes one workload declares.
+MAX_PRIORITY_CLASSES = 1000
 
 
 def check_priority_classes(classes: list[PriorityClass]) -> list[PriorityClass]:
     """``classes`` unchanged; ``ValueError`` unless it is non-empty with unique names."""
     if not classes:
         raise ValueError("priority_classes is empty; give at least one class")
+    if len(classes) > MAX_PRIORITY_CLASSES:
+        raise ValueError(
+            f"priority_classes: {len(classes)} classes, more than {MAX_PRIORITY_CLASSES}"
+        )
     names = [c.name for c in classes]
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:

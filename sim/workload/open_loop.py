@@ -6,8 +6,9 @@ from collections.abc import Generator
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
+from sim.config.limits import MAX_REQUESTS, MAX_TOKENS, MAX_VOCAB_SIZE, KvsimModel
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
 from sim.workload.distributions import (
@@ -22,7 +23,7 @@ from sim.workload.distributions import (
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
 
-class OpenLoopWorkload(BaseModel):
+class OpenLoopWorkload(KvsimModel):
     """Independent requests at sampled arrival times (the classic serving benchmark).
 
     A request's prompt is ``shared_prefix_tokens`` common tokens followed by a unique part of
@@ -31,10 +32,8 @@ class OpenLoopWorkload(BaseModel):
     the unique part is cut first, then the output.
     """
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     kind: Literal["open_loop"] = "open_loop"
-    num_requests: int = Field(gt=0, description="Requests to submit.")
+    num_requests: int = Field(gt=0, le=MAX_REQUESTS, description="Requests to submit.")
     arrival: ArrivalProcess = Field(
         PoissonArrivals(rate_per_s=1.0), description="When requests arrive."
     )
@@ -45,13 +44,19 @@ class OpenLoopWorkload(BaseModel):
         FixedLength(value=128), description="Output tokens each request generates."
     )
     shared_prefix_tokens: int = Field(
-        0, ge=0, description="Tokens of a prefix common to every prompt (a system prompt)."
+        0,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Tokens of a prefix common to every prompt (a system prompt).",
     )
     priority_classes: PriorityClasses = Field(
         list(DEFAULT_PRIORITY_CLASSES), description="Traffic classes; each request draws one."
     )
     vocab_size: int = Field(
-        DEFAULT_VOCAB_SIZE, gt=MIN_TOKEN_ID, description="Token ids are drawn below this."
+        DEFAULT_VOCAB_SIZE,
+        gt=MIN_TOKEN_ID,
+        le=MAX_VOCAB_SIZE,
+        description="Token ids are drawn below this.",
     )
 
     def expected_num_requests(self) -> int | None:

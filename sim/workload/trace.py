@@ -10,6 +10,8 @@ prompt past the hashed blocks is unique to the row. Other columns are ignored.
 from __future__ import annotations
 
 import csv
+import io
+import itertools
 import json
 import math
 from collections.abc import Generator, Iterator
@@ -18,8 +20,18 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
+from sim.config.limits import (
+    MAX_DATA_FILE_BYTES,
+    MAX_REQUESTS,
+    MAX_SECONDS,
+    MAX_TOKENS,
+    MAX_VOCAB_SIZE,
+    KvsimModel,
+)
+from sim.config.loading import read_text
+from sim.errors import KvsimConfigError, short_repr
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
 from sim.workload.distributions import stash, stashed
@@ -51,9 +63,10 @@ def trace_format(path: str | Path, format: TraceFormat | None = None) -> TraceFo
         return format
     suffix = Path(path).suffix.lower()
     if suffix not in _SUFFIX_FORMATS:
-        raise ValueError(
-            f"trace {path}: cannot infer the format from suffix {suffix!r} (known: "
-            f"{sorted(_SUFFIX_FORMATS)}); set format to 'jsonl' or 'csv'"
+        raise KvsimConfigError(
+            f"trace {short_repr(str(path))}: cannot infer the format from suffix "
+            f"{short_repr(suffix)} (known: {sorted(_SUFFIX_FORMATS)}); set format to 'jsonl' "
+            "or 'csv'"
         )
     return _SUFFIX_FORMATS[suffix]
 
@@ -63,15 +76,64 @@ def load_trace(
 ) -> list[TraceRecord]:
     """Read and validate every row of a trace, in file order.
 
-    A malformed row raises ``ValueError`` naming the file, line, field and value.
+    The file must be UTF-8 text (a byte-order mark, as spreadsheets write it, is accepted).
+    A missing, unreadable or malformed file, or a malformed row, raises KvsimConfigError
+    naming the file (and line, field and value).
     """
     fmt = trace_format(path, format)
     scale = 1.0 / _MS_PER_S if timestamp_unit == "ms" else 1.0
-    with Path(path).open(newline="") as f:
-        rows = _jsonl_rows(f, path) if fmt == "jsonl" else _csv_rows(f)
-        records = [_parse_row(row, f"{path}:{line}", line, scale) for line, row in rows]
+    text = read_text(path, "trace", MAX_DATA_FILE_BYTES)
+    lines = io.StringIO(text, newline="")
+    records: list[TraceRecord] = []
+    try:
+        rows = _jsonl_rows(lines, path) if fmt == "jsonl" else _csv_rows(lines)
+        for line, row in rows:
+            records.append(_parse_row(row, f"{path}:{line}", line, scale))
+            if len(records) > MAX_REQUESTS:
+                raise KvsimConfigError(
+                    f"trace {path}: more than {MAX_REQUESTS:,} rows, kvsim's limit on requests"
+                )
+    except csv.Error as exc:
+        raise KvsimConfigError(f"trace {path}: not valid CSV ({exc})") from None
     if not records:
-        raise ValueError(f"trace {path}: no rows")
+        raise KvsimConfigError(f"trace {path}: no rows")
+    return records
+
+
+def check_records(
+    records: list[TraceRecord], path: str | Path, hash_block_tokens: int
+) -> list[TraceRecord]:
+    """``records`` unchanged; KvsimConfigError if rows contradict themselves or each other:
+    more hash ids than the prompt has blocks, one session's turn given twice, or a session's
+    later turn stamped before an earlier one."""
+    seen: dict[tuple[int, int], TraceRecord] = {}
+    for r in records:
+        max_ids = -(-r.input_length // hash_block_tokens)
+        if len(r.hash_ids) > max_ids:
+            raise KvsimConfigError(
+                f"{path}:{r.line}: {len(r.hash_ids)} hash_ids describe more than "
+                f"input_length={r.input_length} tokens hold ({max_ids} blocks of "
+                f"hash_block_tokens={hash_block_tokens})"
+            )
+        if r.session_id is not None and r.turn is not None:
+            key = (r.session_id, r.turn)
+            if key in seen:
+                raise KvsimConfigError(
+                    f"{path}:{r.line}: session_id={r.session_id} turn={r.turn} is also on "
+                    f"line {seen[key].line}"
+                )
+            seen[key] = r
+    by_session: dict[int, list[TraceRecord]] = {}
+    for (session_id, _), r in seen.items():
+        by_session.setdefault(session_id, []).append(r)
+    for turns in by_session.values():
+        turns.sort(key=lambda r: r.turn or 0)
+        for before, after in itertools.pairwise(turns):
+            if after.timestamp_s < before.timestamp_s:
+                raise KvsimConfigError(
+                    f"{path}:{after.line}: session_id={after.session_id} turn={after.turn} "
+                    f"has timestamp before turn={before.turn} (line {before.line})"
+                )
     return records
 
 
@@ -80,26 +142,44 @@ def _jsonl_rows(lines: Iterator[str], path: str | Path) -> Iterator[tuple[int, d
         if not text.strip():
             continue
         try:
-            row = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}:{line_num}: not valid JSON ({e.msg})") from None
+            row = json.loads(text, parse_constant=_refuse_constant)
+        except (json.JSONDecodeError, ValueError, RecursionError) as e:
+            reason = e.msg if isinstance(e, json.JSONDecodeError) else str(e)
+            raise KvsimConfigError(f"{path}:{line_num}: not valid JSON ({reason})") from None
         if not isinstance(row, dict):
-            raise ValueError(f"{path}:{line_num}: expected a JSON object, got {text.strip()!r}")
+            raise KvsimConfigError(
+                f"{path}:{line_num}: expected a JSON object, got {short_repr(text.strip())}"
+            )
         yield line_num, row
+
+
+def _refuse_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _csv_rows(lines: Iterator[str]) -> Iterator[tuple[int, dict[str, Any]]]:
     reader = csv.DictReader(lines)
     for row in reader:
-        # Empty cells mean "absent", as a missing JSON key does.
-        yield reader.line_num, {k: v for k, v in row.items() if v not in (None, "")}
+        # Empty cells mean "absent", as a missing JSON key does. Header names are stripped:
+        # "timestamp, input_length" is as good as "timestamp,input_length".
+        yield (
+            reader.line_num,
+            {
+                k.strip(): v
+                for k, v in row.items()
+                if isinstance(k, str) and v not in (None, "") and not isinstance(v, list)
+            },
+        )
 
 
 def _parse_row(row: dict[str, Any], where: str, line: int, scale: float) -> TraceRecord:
     timestamp = _float(_get(row, "timestamp", where), "timestamp", where)
+    timestamp_s = timestamp * scale
+    if timestamp_s > MAX_SECONDS:
+        raise _bad(where, "timestamp", row["timestamp"], f"at most {MAX_SECONDS:,.0f} s")
     return TraceRecord(
         line=line,
-        timestamp_s=timestamp * scale,
+        timestamp_s=timestamp_s,
         input_length=_int(_get(row, "input_length", where), "input_length", where, minimum=1),
         output_length=_int(_get(row, "output_length", where), "output_length", where, minimum=1),
         session_id=_optional_int(row, "session_id", where, minimum=0),
@@ -111,12 +191,13 @@ def _parse_row(row: dict[str, Any], where: str, line: int, scale: float) -> Trac
 
 def _get(row: dict[str, Any], field: str, where: str) -> Any:
     if row.get(field) is None:
-        raise ValueError(f"{where}: missing field {field!r}")
+        known = ", ".join(sorted(short_repr(k, 30) for k in list(row)[:8]))
+        raise KvsimConfigError(f"{where}: missing field {field!r} (the row has: {known})")
     return row[field]
 
 
-def _bad(where: str, field: str, value: Any, expected: str) -> ValueError:
-    return ValueError(f"{where}: field {field!r} = {value!r} is not {expected}")
+def _bad(where: str, field: str, value: Any, expected: str) -> KvsimConfigError:
+    return KvsimConfigError(f"{where}: field {field!r} = {short_repr(value)} is not {expected}")
 
 
 def _float(value: Any, field: str, where: str) -> float:
@@ -129,7 +210,14 @@ def _float(value: Any, field: str, where: str) -> float:
     return number
 
 
+# Largest integer any trace field may hold: token counts are bounded by MAX_TOKENS below,
+# ids and priorities by 2**62.
+_MAX_INT = 1 << 62
+_MAX_INT_FIELDS = {"input_length": MAX_TOKENS, "output_length": MAX_TOKENS}
+
+
 def _int(value: Any, field: str, where: str, minimum: int | None) -> int:
+    maximum = _MAX_INT_FIELDS.get(field, _MAX_INT)
     expected = "an integer" if minimum is None else f"an integer >= {minimum}"
     if isinstance(value, bool):
         raise _bad(where, field, value, expected)
@@ -138,14 +226,19 @@ def _int(value: Any, field: str, where: str, minimum: int | None) -> int:
     elif isinstance(value, float) and value.is_integer():
         number = int(value)
     elif isinstance(value, str):
+        text = value.strip()
+        if len(text) > 30:
+            raise _bad(where, field, value, expected)
         try:
-            number = int(value.strip())
+            number = int(text)
         except ValueError:
             raise _bad(where, field, value, expected) from None
     else:
         raise _bad(where, field, value, expected)
     if minimum is not None and number < minimum:
         raise _bad(where, field, value, expected)
+    if abs(number) > maximum:
+        raise _bad(where, field, value, f"an integer of at most {maximum:,}")
     return number
 
 
@@ -167,33 +260,38 @@ def _hash_ids(value: Any, where: str) -> tuple[int, ...]:
                 if text.startswith("[")
                 else text.replace(";", " ").replace(",", " ").split()
             )
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):
             raise _bad(where, "hash_ids", value, "a list of integers >= 0") from None
-    if not isinstance(items, list):
+    if not isinstance(items, list) or len(items) > MAX_TOKENS:
         raise _bad(where, "hash_ids", value, "a list of integers >= 0")
     return tuple(_int(item, "hash_ids", where, minimum=0) for item in items)
 
 
-class TraceWorkload(BaseModel):
+class TraceWorkload(KvsimModel):
     """Replay a recorded trace open loop: each row is submitted at its (scaled) timestamp."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
     kind: Literal["trace"] = "trace"
-    path: str = Field(description="Trace file (.jsonl or .csv; other suffixes need format).")
+    path: str = Field(
+        max_length=4096, description="Trace file (.jsonl or .csv; other suffixes need format)."
+    )
     format: TraceFormat | None = Field(None, description="File format; None: from the suffix.")
     timestamp_unit: TimestampUnit = Field(
         "s", description="Unit of the timestamp field (Mooncake traces use ms)."
     )
     time_scale: float = Field(
-        1.0, gt=0, description="Multiplies timestamps (0.5 replays twice as fast)."
+        1.0, ge=1e-6, le=1e6, description="Multiplies timestamps (0.5 replays twice as fast)."
     )
-    hash_block_tokens: int = Field(512, gt=0, description="Prompt tokens per hash id (Mooncake).")
+    hash_block_tokens: int = Field(
+        512, gt=0, le=MAX_TOKENS, description="Prompt tokens per hash id (Mooncake)."
+    )
     on_too_long: Literal["error", "skip"] = Field(
         "error", description="Rows whose input + output exceed max_model_len: raise or skip."
     )
     vocab_size: int = Field(
-        DEFAULT_VOCAB_SIZE, gt=MIN_TOKEN_ID, description="Token ids are drawn below this."
+        DEFAULT_VOCAB_SIZE,
+        gt=MIN_TOKEN_ID,
+        le=MAX_VOCAB_SIZE,
+        description="Token ids are drawn below this.",
     )
 
     @model_validator(mode="after")
@@ -206,6 +304,7 @@ class TraceWorkload(BaseModel):
         records = stashed(self, "_records")
         if records is None:
             records = load_trace(self.path, self.format, self.timestamp_unit)
+            check_records(records, self.path, self.hash_block_tokens)
             stash(self, "_records", records)
         return records
 
@@ -219,7 +318,7 @@ class TraceWorkload(BaseModel):
         too_long = [r for r in records if r.input_length + r.output_length > sink.max_model_len]
         if too_long and self.on_too_long == "error":
             r = too_long[0]
-            raise ValueError(
+            raise KvsimConfigError(
                 f"{self.path}:{r.line}: input_length {r.input_length} + output_length "
                 f"{r.output_length} exceeds max_model_len={sink.max_model_len} "
                 f"({len(too_long)} such rows; on_too_long='skip' drops them)"

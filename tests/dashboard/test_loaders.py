@@ -12,14 +12,8 @@ import numpy as np
 import pytest
 
 from dashboard.data import ALL_CLASSES, MAX_TIMELINE_POINTS
-from dashboard.loaders import (
-    build_view,
-    list_runs,
-    list_sweeps,
-    mtime_key,
-    read_block_map,
-    runs_dir,
-)
+from dashboard.loaders import build_view, list_runs, mtime_key, read_block_map
+from dashboard.locations import list_sweeps, runs_dir
 from tests.dashboard.synth import synthesize_run
 
 

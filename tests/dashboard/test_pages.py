@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
@@ -217,3 +222,213 @@ def test_sweeps_page_only_with_sweep_results(
     at = _page(_app(), "sweeps")
     assert _texts(at.title) == ["Sweeps"]
     assert list(at.dataframe[0].value.columns) == ["value", "ok"]
+
+
+# --- Every failure is one readable message, never a traceback --------------------------------
+
+TINY_CONFIG = Path(__file__).resolve().parents[2] / "validate" / "models" / "tiny-llama"
+
+
+def _one_error(at: AppTest) -> str:
+    """The page's only error message; no exception reached the page."""
+    assert not at.exception, at.exception
+    errors = _texts(at.error)
+    assert len(errors) == 1, errors
+    (error,) = errors
+    assert "Traceback" not in error and "\n" not in error
+    return error
+
+
+def _upload_and_run(at: AppTest, text: str) -> AppTest:
+    at.radio(key="wi-source").set_value("upload YAML").run()
+    at.file_uploader(key="wi-upload").set_value(("up.yaml", text.encode(), "text/yaml"))
+    at.run()
+    assert not at.exception, at.exception
+    at.button(key="wi-run").click().run()
+    return at
+
+
+def _scenario(model: str, workload: str) -> str:
+    return (
+        f"name: broken\nmodel: {model}\nhardware: H100-SXM-80GB\nengine: {{max_model_len: 4096}}\n"
+        f"workload: {workload}\nlimits: {{max_duration_s: 60}}\n"
+    )
+
+
+OPEN_LOOP = (
+    "{kind: open_loop, num_requests: 4, arrival: {kind: burst, at_s: 0.0}, "
+    "prompt_tokens: {kind: fixed, value: 64}, output_tokens: {kind: fixed, value: 8}}"
+)
+
+
+def test_what_if_runs_an_uploaded_scenario_with_a_model_config(runs_env: Path) -> None:
+    """The control case of the broken ones below: the same upload with a good config.json."""
+    at = _upload_and_run(_app(), _scenario(str(TINY_CONFIG / "config.json"), OPEN_LOOP))
+    assert not at.exception, at.exception
+    assert not at.error, _texts(at.error)
+    assert "Result" in _texts(at.subheader)
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        '{"num_attention_heads": 0}',
+        '{"num_attention_heads": "many"}',
+        '{"num_attention_heads": [8]}',
+        '{"hidden_size": null}',
+        "5",
+        "[]",
+        '{"num_attention_heads": ',
+        b"\x89PNG\x00\xff\xfe binary",
+    ],
+    ids=["zero-heads", "heads-string", "heads-list", "null", "number", "list", "cut", "binary"],
+)
+def test_what_if_upload_with_a_broken_model_config(
+    runs_env: Path, tmp_path: Path, content: str | bytes
+) -> None:
+    config = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        config.write_bytes(content)
+    else:
+        good = json.loads((TINY_CONFIG / "config.json").read_text())
+        try:  # the broken field inside an otherwise complete config
+            patch = json.loads(content)
+            config.write_text(json.dumps({**good, **patch}) if isinstance(patch, dict) else content)
+        except json.JSONDecodeError:
+            config.write_text(content)
+    at = _upload_and_run(_app(), _scenario(str(config), OPEN_LOOP))
+    error = _one_error(at)
+    assert error.startswith("up.yaml") or error.startswith(str(config)), error
+    assert "Result" not in _texts(at.subheader)
+
+
+@pytest.mark.parametrize("trace", ["missing.jsonl", "folder.jsonl", "binary.jsonl", "bad.csv"])
+def test_what_if_upload_with_a_broken_trace(runs_env: Path, tmp_path: Path, trace: str) -> None:
+    path = tmp_path / trace
+    if trace == "folder.jsonl":
+        path.mkdir()
+    elif trace == "binary.jsonl":
+        path.write_bytes(b"\xff\xfe\x00\x01" * 50)
+    elif trace == "bad.csv":
+        path.write_text("timestamp,input_length,output_length\n0,abc,5\n")
+    workload = f"{{kind: trace, path: {path}}}"
+    at = _upload_and_run(_app(), _scenario("Llama-3.1-8B", workload))
+    error = _one_error(at)
+    assert error.startswith("up.yaml") or error.startswith(f"trace {path}"), error
+    assert "Result" not in _texts(at.subheader)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [b"\x00\x01\x02\xff\xfe", b"[" * 5000, b"- a\n- b\n", b"name: [unclosed"],
+    ids=["binary", "deep", "list", "bad-yaml"],
+)
+def test_what_if_upload_that_is_not_a_scenario(runs_env: Path, text: bytes) -> None:
+    at = _app()
+    at.radio(key="wi-source").set_value("upload YAML").run()
+    at.file_uploader(key="wi-upload").set_value(("up.yaml", text, "text/yaml")).run()
+    assert _one_error(at).startswith("up.yaml: ")
+
+
+def _broken_run(small_runs: Path, tmp_path: Path, how: str) -> Path:
+    run = tmp_path / how
+    shutil.copytree(small_runs / "priority-small", run)
+    if how == "summary-metrics-wrong-type":
+        summary = json.loads((run / "summary.json").read_text())
+        summary["metrics"] = {key: "n/a" for key in summary["metrics"]}
+        (run / "summary.json").write_text(json.dumps(summary))
+    elif how == "summary-binary":
+        (run / "summary.json").write_bytes(b"\xff\xfe\x00")
+    elif how == "requests-garbage":
+        (run / "requests.parquet").write_bytes(b"PAR1 not really")
+    elif how == "steps-wrong-types":
+        steps = pd.read_parquet(run / "steps.parquet")
+        steps["kv_cache_usage_perc"] = "high"
+        steps["num_preemptions"] = "some"
+        steps.to_parquet(run / "steps.parquet")
+    elif how == "requests-wrong-types":
+        requests = pd.read_parquet(run / "requests.parquet")
+        requests["session_id"] = "s"
+        requests["arrival_s"] = None
+        requests.to_parquet(run / "requests.parquet")
+    elif how == "block-map-garbage":
+        (run / "block_map.npz").write_bytes(b"PK garbage")
+    elif how == "block-map-times-text":
+        with np.load(run / "block_map.npz") as npz:
+            states, classes = npz["states"], npz["classes"]
+        times = np.array(["t"] * len(states))
+        np.savez(run / "block_map.npz", times_s=times, states=states, classes=classes)
+    return run
+
+
+BROKEN_RUNS = [
+    "summary-metrics-wrong-type",
+    "summary-binary",
+    "requests-garbage",
+    "steps-wrong-types",
+    "requests-wrong-types",
+    "block-map-garbage",
+    "block-map-times-text",
+]
+
+
+@pytest.mark.parametrize("how", BROKEN_RUNS)
+def test_run_explorer_broken_run_directory(
+    small_runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    run = _broken_run(small_runs, tmp_path, how)
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
+    at = _page(_app(), "run_explorer")
+    at.text_input(key="ex-path").set_value(str(run)).run()
+    assert str(run) in _one_error(at)
+
+
+@pytest.mark.parametrize("how", BROKEN_RUNS)
+def test_compare_with_a_broken_run_directory(
+    small_runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    run = _broken_run(small_runs, tmp_path, how)
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
+    at = _page(_app(), "compare")
+    at.multiselect(key="cmp-runs").set_value([]).run()
+    at.text_input(key="cmp-paths").set_value(f"{small_runs / 'coding-small'}, {run}").run()
+    assert not at.exception, at.exception
+    errors = _texts(at.error)
+    assert len(errors) <= 1 and all("Traceback" not in e for e in errors), errors
+    assert errors or "Error table" in _texts(at.subheader)  # a run that still compares
+
+
+def test_what_if_save_into_an_unwritable_runs_dir(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(blocker / "runs"))  # under a file: cannot exist
+    at = _app()
+    at.number_input(key="wi-coding-agents-8b-h100-workload.sessions").set_value(2)
+    at.button(key="wi-run").click().run()
+    assert "Result" in _texts(at.subheader)
+    at.button(key="wi-save").click().run()
+    assert _one_error(at).startswith(f"saving the run to {blocker / 'runs'}: ")
+    assert not at.success
+
+
+def test_warm_up_imports_the_heavy_modules_once() -> None:
+    """In a fresh interpreter: none of them before, all of them after, one thread."""
+    check = (
+        "import sys, threading\n"
+        "from dashboard.warmup import HEAVY_MODULES, warm_up\n"
+        "assert not [m for m in HEAVY_MODULES if m in sys.modules]\n"
+        "done = warm_up()\n"
+        "assert warm_up() is done\n"
+        "assert [t.name for t in threading.enumerate()].count('kvsim-warm-up') == 1\n"
+        f"assert done.wait({TIMEOUT_S})\n"
+        "print(sorted(m for m in HEAVY_MODULES if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", check], cwd=root, capture_output=True, text=True, check=True
+    )
+    from dashboard.warmup import HEAVY_MODULES
+
+    assert out.stdout.strip() == str(sorted(HEAVY_MODULES))

@@ -66,3 +66,24 @@ def test_long_inputs_are_truncated():
 
 def test_config_error_is_a_value_error():
     assert issubclass(KvsimConfigError, ValueError)
+
+
+def test_short_repr_never_builds_the_whole_repr():
+    from sim.errors import short_repr
+
+    shared = ["x"] * 10
+    for _ in range(30):  # 10**30 leaves if expanded
+        shared = [shared] * 10
+    text = short_repr(shared)
+    assert len(text) <= 60 and text.startswith("[[")
+    assert "..." in short_repr("y" * 10**7) and len(short_repr("y" * 10**7)) <= 60
+
+
+def test_many_errors_are_capped():
+    class Many(BaseModel):
+        model_config = ConfigDict(extra="forbid")
+
+    with pytest.raises(ValidationError) as info:
+        Many.model_validate({f"k{i}": i for i in range(50)})
+    text = format_validation_error(info.value, "s.yaml")
+    assert text.count("Extra inputs are not permitted") == 6 and text.endswith("and 44 more")

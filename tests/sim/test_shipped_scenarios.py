@@ -2,8 +2,10 @@
 
 Golden files pin each shipped scenario's summary (numbers rounded to 6 significant
 digits), so a behaviour change shows up in review as a diff of ``tests/sim/golden/``.
-Regenerate them deliberately with
-``KVSIM_UPDATE_GOLDEN=1 pytest tests/sim/test_shipped_scenarios.py``.
+Each scenario runs twice over: at full size (marked ``slow``: minutes in all, so only with
+``--full`` or in CI, golden ``golden/<name>.json``) and as a scaled-down copy (seconds, in
+the fast lane, golden ``golden/scaled/<name>.json``). Regenerate them deliberately with
+``KVSIM_UPDATE_GOLDEN=1 pytest --full tests/sim/test_shipped_scenarios.py``.
 """
 
 from __future__ import annotations
@@ -21,6 +23,35 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 
 GOLDEN_DIR = Path(__file__).parent / "golden"
 SHIPPED = sorted(p.stem for p in SCENARIO_DIR.glob("*.yaml"))
+
+# The scaled-down copies: fewer sessions or requests at the same arrival rate, so the load at
+# any moment stays alike and only the run is shorter. agent-burst starts every session at
+# once and priority-mix preempts in its arrival bursts: both also get less KV
+# (gpu_memory_utilization 0.5, the least at which the monotonicity check's 0.3 still holds a
+# 32k request), so that they still preempt, as at full size.
+SCALED: dict[str, tuple[str, ...]] = {
+    "agent-burst": (
+        "workload.sessions=75",
+        "workload.turns.value=6",
+        "engine.gpu_memory_utilization=0.5",
+    ),
+    "chat-rag-baseline": ("workload.num_requests=400",),
+    "coding-agents-8b-h100": ("workload.sessions=25",),
+    "fleet-70b-tp4-h200": ("workload.sessions=12",),
+    "priority-mix": ("workload.sessions=50", "engine.gpu_memory_utilization=0.5"),
+}
+SIZES = [
+    size
+    for name in SHIPPED
+    for size in (
+        pytest.param(name, False, id=name, marks=pytest.mark.slow),
+        *([pytest.param(name, True, id=f"{name}-scaled")] if name in SCALED else []),
+    )
+]
+
+
+def overrides(name: str, scaled: bool) -> tuple[str, ...]:
+    return SCALED[name] if scaled else ()
 
 
 @cache
@@ -45,27 +76,34 @@ def test_there_are_at_least_five_shipped_scenarios_each_opening_with_its_questio
         assert first.startswith("# Question:"), name
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_summary_matches_golden(name: str) -> None:
-    summary = rounded(run_shipped(name).summary)
-    golden = GOLDEN_DIR / f"{name}.json"
+def test_every_shipped_scenario_has_a_scaled_copy() -> None:
+    assert sorted(SCALED) == SHIPPED
+
+
+@pytest.mark.parametrize(("name", "scaled"), SIZES)
+def test_summary_matches_golden(name: str, scaled: bool) -> None:
+    summary = rounded(run_shipped(name, *overrides(name, scaled)).summary)
+    golden = GOLDEN_DIR / ("scaled" if scaled else "") / f"{name}.json"
     if os.environ.get("KVSIM_UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
         golden.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
     assert golden.is_file(), f"no golden summary for {name}; run with KVSIM_UPDATE_GOLDEN=1"
     assert summary == json.loads(golden.read_text())
 
 
-@pytest.mark.parametrize("name", SHIPPED)
-def test_more_hbm_never_means_more_preemptions(name: str) -> None:
+@pytest.mark.parametrize(("name", "scaled"), SIZES)
+def test_more_hbm_never_means_more_preemptions(name: str, scaled: bool) -> None:
     """A fifth more HBM for KV never preempts more.
 
     Small steps are not monotone in an overloaded engine (priority-mix preempts 47 times at
     gpu_memory_utilization 0.86 and 51 at 0.90: admission order shifts, and recompute from
     evicted prefixes is not counted as preemption), so the check compares a real step.
     """
-    base = run_shipped(name)
+    base = run_shipped(name, *overrides(name, scaled))
     util = base.scenario.engine.gpu_memory_utilization
-    smaller = run_shipped(name, f"engine.gpu_memory_utilization={util - 0.2:.2f}")
+    smaller = run_shipped(
+        name, *overrides(name, scaled), f"engine.gpu_memory_utilization={util - 0.2:.2f}"
+    )
     assert smaller.sizing.num_gpu_blocks < base.sizing.num_gpu_blocks
     preempted = "vllm:num_preemptions"
     assert (

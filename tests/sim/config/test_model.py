@@ -16,6 +16,7 @@ LLAMA_3_1_8B_CONFIG = {
     "architectures": ["LlamaForCausalLM"],
     "hidden_size": 4096,
     "intermediate_size": 14336,
+    "max_position_embeddings": 131072,
     "model_type": "llama",
     "num_attention_heads": 32,
     "num_hidden_layers": 32,
@@ -172,7 +173,7 @@ def test_load_config_json_rejects_unknown_dtype_and_missing_fields(tmp_path):
     with pytest.raises(ValueError, match="'int8'"):
         load_model_config_json(tmp_path / "a.json")
     (tmp_path / "b.json").write_text(json.dumps({"hidden_size": 8}))
-    with pytest.raises(ValueError, match="lacks num_hidden_layers"):
+    with pytest.raises(ValueError, match="num_hidden_layers: Field required"):
         load_model_config_json(tmp_path / "b.json")
 
 

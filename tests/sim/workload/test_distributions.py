@@ -64,7 +64,7 @@ def test_empirical_values_resample_only_observed():
         ({}, "exactly one of values or path"),
         ({"values": [1], "path": "x.txt"}, "exactly one of values or path"),
         ({"values": []}, "values is empty"),
-        ({"values": [5, 0]}, r"values must be >= 1, got \[0\]"),
+        ({"values": [5, 0]}, r"values must be between 1 and 2,097,152, got \[0\]"),
         ({"values": [5], "column": "n"}, "column='n' needs a path"),
     ],
 )
@@ -93,7 +93,8 @@ def test_empirical_reads_csv_column(tmp_path):
 def test_empirical_bad_line_names_file_and_line(tmp_path):
     path = tmp_path / "lengths.txt"
     path.write_text("12\nabc\n")
-    with pytest.raises(ValueError, match=r"lengths.txt:2: length 'abc' is not an integer >= 1"):
+    message = r"lengths.txt:2: length 'abc' is not an integer between 1 and 2,097,152"
+    with pytest.raises(ValueError, match=message):
         EmpiricalLength(path=str(path)).sample(rng(), 1)
 
 
