@@ -35,7 +35,7 @@ def length(draw: st.DrawFn, low: int, high: int) -> dict[str, Any]:
 def scenarios(draw: st.DrawFn) -> dict[str, Any]:
     max_model_len = draw(st.sampled_from([512, 1024, 2048]))
     engine: dict[str, Any] = {
-        "block_size": draw(st.sampled_from([4, 16])),
+        "block_size": draw(st.sampled_from([16, 32])),
         "max_model_len": max_model_len,
         "max_num_seqs": draw(st.sampled_from([2, 4, 16, 64])),
         "max_num_batched_tokens": draw(st.sampled_from([64, 256, 2048])),
