@@ -8,7 +8,8 @@ This module and the workload processes are the only simpy users.
 
 Fast path (the default): a *decode stretch* is a run of steps in which nothing the
 scheduler reacts to can happen: every running request decodes one token, nobody can be
-admitted (the waiting queue is empty, or ``max_num_seqs`` / the token budget is full), no
+admitted (the waiting queue is empty, ``max_num_seqs`` / the token budget is full, or the
+queue's head does not fit in the free blocks and no block it could hit gets registered), no
 request reaches its output length or ``max_model_len`` before the stretch's last step, the
 free queue covers every block the stretch needs (so nobody is preempted), no SimPy event
 (an arrival, a tool-call wake-up) falls inside it and it ends before the engine's horizon
@@ -123,8 +124,13 @@ class Engine(SinkBase):
                     continue
             output = scheduler.schedule()
             # Sizing guarantees one max_model_len request fits, so an idle engine can always
-            # admit the head of the queue: an empty step with work queued is a bug.
-            assert not output.is_empty, "scheduler made no progress with requests queued"
+            # admit the head of the queue: an empty step with work queued is a bug, unless
+            # it preempted. vLLM then runs an empty step too: a request that could not grow
+            # and was itself the preemption victim ends the running loop, and a step that
+            # preempted admits nobody.
+            assert not output.is_empty or output.preempted_ids, (
+                "scheduler made no progress with requests queued"
+            )
             start_s = env.now
             if output.shape.num_prefill_reqs:
                 since_prefill = 0
@@ -151,10 +157,16 @@ class Engine(SinkBase):
         num_running = len(running)
         if not num_running or num_running > scheduler.max_num_batched_tokens:
             return None
+        kv = scheduler.kv_cache_manager
+        head_miss: int | None = None
         if len(scheduler.waiting) and (
             num_running < scheduler.max_num_seqs and num_running < scheduler.max_num_batched_tokens
         ):
-            return None  # the scheduler would try to admit someone
+            # The scheduler tries to admit the head of the queue every step: the stretch
+            # goes on only while that fails for want of free blocks (see admission_blocked).
+            blocked, head_miss = kv.admission_blocked(scheduler.waiting.peek())
+            if not blocked:
+                return None
         max_model_len = scheduler.max_model_len
         # Steps until each request finishes (its f-th step from now samples its last token).
         k_cap = 1 << 62
@@ -182,72 +194,34 @@ class Engine(SinkBase):
         if k_cap < MIN_STRETCH_STEPS:
             return None
 
-        kv = scheduler.kv_cache_manager
-        pool = kv.block_pool
-        block_size = kv.block_size
-        tables = kv.req_to_blocks
-        num_cached = kv.num_cached_block
-        caching = kv.enable_caching
-        # Block events (step, running index, kind): kind 0 = a new block popped from the free
-        # queue (computing the token at a block start), kind 1 = full blocks registered in
-        # the prefix cache. vLLM does both inside allocate_slots, request by request.
-        events: list[tuple[int, int, int]] = []
-        num_held = 0
-        context0 = 0
-        for index, request in enumerate(running):
-            computed = request.num_computed_tokens
-            context0 += computed
-            num_blocks = len(tables[request.request_id])
-            num_held += num_blocks
-            k = num_blocks * block_size - computed
-            while k < k_cap:
-                events.append((k, index, 0))
-                k += block_size
-            if caching:
-                # At step k the request holds computed + k + 1 tokens, all cacheable: block
-                # j becomes full (and is registered) at step (j + 1) x block_size - computed
-                # - 1, or at once if that is already past.
-                k = (num_cached[request.request_id] + 1) * block_size - computed - 1
-                while k < k_cap:
-                    events.append((k if k > 0 else 0, index, 1))
-                    k += block_size
-        events.sort()
-        num_free = len(pool.free_queue)
-        num_pops = 0
-        for k, _, kind in events:
-            if kind == 0:
-                num_pops += 1
-                if num_pops > num_free:
-                    # This step would find the free queue short: stop before it.
-                    if k < k_cap:
-                        k_cap = k
-                    break
-        if k_cap < MIN_STRETCH_STEPS:
-            return None
-
         # Step times, one after the other as the step-by-step path adds them, until a SimPy
         # event would intervene (it must be seen by the scheduler of the step after it) or
-        # a step would end past the horizon.
+        # a step would end past the horizon. Timed first: a stretch cut short here costs no
+        # block planning.
         env = self._env
         next_event_s = env.peek()
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
+        context0 = 0
+        for request in running:
+            context0 += request.num_computed_tokens
         shape = BatchShape(0, 0, 0.0, num_running, context0)
         now_s = env.now
         starts: list[float] = []
         ends: list[float] = []
         durations: list[float] = []
+        step_since_prefill = since_prefill
         num_steps = 0
         while num_steps < k_cap:
             if num_steps and now_s >= next_event_s:
                 break
-            step_since_prefill = since_prefill + 1 if since_prefill >= 0 else since_prefill
+            if step_since_prefill >= 0:
+                step_since_prefill += 1
             shape.decode_context_tokens = context0 + num_running * num_steps
             duration_s = step_time_s(shape, False, step_since_prefill)
             end_s = now_s + duration_s
             if end_s > horizon_s:
                 break
-            since_prefill = step_since_prefill
             durations.append(duration_s)
             starts.append(now_s)
             ends.append(end_s)
@@ -256,26 +230,60 @@ class Engine(SinkBase):
         if num_steps < MIN_STRETCH_STEPS:
             return None
 
+        pool = kv.block_pool
+        block_size = kv.block_size
+        tables = kv.req_to_blocks
+        # New blocks (step, running index): a block is popped from the free queue when the
+        # token at its start is computed. vLLM pops inside allocate_slots, step by step,
+        # request by request.
+        pops: list[tuple[int, int]] = []
+        num_held = 0
+        for index, request in enumerate(running):
+            num_blocks = len(tables[request.request_id])
+            num_held += num_blocks
+            k = num_blocks * block_size - request.num_computed_tokens
+            while k < num_steps:
+                pops.append((k, index))
+                k += block_size
+        num_free = len(pool.free_queue)
+        if pops:
+            pops.sort()
+            if len(pops) > num_free:
+                # The step of the first pop the free queue cannot serve: stop before it.
+                num_steps = pops[num_free][0]
+                if num_steps < MIN_STRETCH_STEPS:
+                    return None
+                del starts[num_steps:], ends[num_steps:], durations[num_steps:]
+                pops = [pop for pop in pops if pop[0] < num_steps]
+        if since_prefill >= 0:
+            since_prefill += num_steps
+
         # Apply: tokens, blocks and cache registrations, in vLLM's order.
+        num_hashes = [len(request.block_hashes) for request in running]
         for request in running:
             request.append_output_token_ids(num_steps)
             request.num_computed_tokens += num_steps
-        popitem = pool.free_queue.popitem
-        kv_free_counts: list[int] = []
         pops_by_step = [0] * num_steps
-        for k, index, kind in events:
-            if k >= num_steps:
-                break
-            request = running[index]
-            if kind == 0:
-                block = popitem(last=False)[1]
-                if block.block_hash is not None:
-                    pool.evict(block)
-                block.ref_cnt = 1
-                tables[request.request_id].append(block)
+        if kv.enable_caching:
+            num_cached = kv.num_cached_block
+            new_hashes: list[int] = []
+            for request in running:
+                new_hashes += request.block_hashes[
+                    num_cached[request.request_id] : request.num_computed_tokens // block_size
+                ]
+            if head_miss is not None and head_miss in new_hashes:
+                # The queue's head would hit this block once registered: undo, step by step.
+                for request, n in zip(running, num_hashes, strict=True):
+                    del request.token_ids[-num_steps:], request.block_hashes[n:]
+                    request.num_computed_tokens -= num_steps
+                return None
+            self._apply_blocks_caching(running, pops, pops_by_step, new_hashes)
+        else:
+            new_blocks = pool.get_new_blocks(len(pops)) if pops else []
+            for (k, index), block in zip(pops, new_blocks, strict=True):
+                tables[running[index].request_id].append(block)
                 pops_by_step[k] += 1
-            else:
-                kv.cache_blocks(request, request.num_computed_tokens - num_steps + k + 1)
+        kv_free_counts: list[int] = []
         free = num_free
         for n in pops_by_step:
             free -= n
@@ -316,3 +324,58 @@ class Engine(SinkBase):
         )
         self._stretch_end_s = ends[-1]
         return durations, since_prefill, finished
+
+    def _apply_blocks_caching(
+        self,
+        running: list[Request],
+        pops: list[tuple[int, int]],
+        pops_by_step: list[int],
+        new_hashes: list[int],
+    ) -> None:
+        """Pop a stretch's new blocks and register its newly full blocks (prefix caching on).
+
+        vLLM interleaves both, step by step, request by request. Pops only evict hashes that
+        are cached now; registrations only add hashes. When no hash registered in the stretch
+        is cached now or registered twice, the two never meet, so all pops (in order) then
+        all registrations (request by request) leave the same pool; otherwise the events are
+        replayed one by one in vLLM's order.
+        """
+        kv = self.scheduler.kv_cache_manager
+        pool = kv.block_pool
+        tables = kv.req_to_blocks
+        num_cached = kv.num_cached_block
+        block_size = kv.block_size
+        if pool.first_cached_block.keys().isdisjoint(new_hashes) and len(set(new_hashes)) == len(
+            new_hashes
+        ):
+            if pops:
+                for (k, index), block in zip(pops, pool.get_new_blocks(len(pops)), strict=True):
+                    tables[running[index].request_id].append(block)
+                    pops_by_step[k] += 1
+            if new_hashes:
+                for request in running:
+                    kv.cache_blocks(request, request.num_computed_tokens)
+            return
+        # Events (step, running index, kind): kind 0 = a new block popped, kind 1 = full
+        # blocks registered (at once if already past: k clamps to 0).
+        num_steps = len(pops_by_step)
+        events: list[tuple[int, int, int]] = [(k, index, 0) for k, index in pops]
+        for index, request in enumerate(running):
+            computed0 = request.num_computed_tokens - num_steps
+            k = (num_cached[request.request_id] + 1) * block_size - computed0 - 1
+            while k < num_steps:
+                events.append((k if k > 0 else 0, index, 1))
+                k += block_size
+        events.sort()
+        popitem = pool.free_queue.popitem
+        for k, index, kind in events:
+            request = running[index]
+            if kind == 0:
+                block = popitem(last=False)[1]
+                if block.block_hash is not None:
+                    pool.evict(block)
+                block.ref_cnt = 1
+                tables[request.request_id].append(block)
+                pops_by_step[k] += 1
+            else:
+                kv.cache_blocks(request, request.num_computed_tokens - num_steps + k + 1)
