@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from itertools import compress, islice, repeat
-from operator import add, attrgetter, is_not, not_, sub
+from operator import add, attrgetter, eq, is_not, not_, sub
 
 # The pool's bulk operations walk thousands of blocks per call (a long agent context is
 # touched on admission and freed on finish): they iterate with map() and friends, in C.
@@ -157,7 +157,12 @@ class BlockPool:
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
         refs = list(map(_ref_cnt, blocks))
-        if 0 in refs:
+        num_free = refs.count(0)
+        if num_free == len(refs):  # the common case: a whole freed context hit again
+            _consume(map(self.free_queue.__delitem__, map(_block_id, blocks)))
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)))
+            return
+        if num_free:
             free_queue = self.free_queue
             _consume(map(free_queue.__delitem__, compress(map(_block_id, blocks), map(not_, refs))))
         _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, refs, repeat(1))))
@@ -169,27 +174,31 @@ class BlockPool:
         prepended in that order, hashed blocks appended in that order.
         """
         blocks = list(ordered_blocks)
-        refs = list(map(sub, map(_ref_cnt, blocks), repeat(1)))
-        assert min(refs, default=0) >= 0, blocks
-        _consume(map(setattr, blocks, repeat("ref_cnt"), refs))
-        if 0 not in refs:
-            return
-        if refs.count(0) < len(refs):
-            blocks = list(compress(blocks, map(not_, refs)))
-        null_block = self.null_block
+        refs = list(map(_ref_cnt, blocks))
+        assert 0 not in refs, blocks
+        num_last = refs.count(1)
+        if num_last == len(refs):  # the common case: a finished request's own blocks
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)))
+        else:
+            _consume(map(setattr, blocks, repeat("ref_cnt"), map(sub, refs, repeat(1))))
+            if not num_last:
+                return
+            blocks = list(compress(blocks, map(eq, refs, repeat(1))))
+        ids = list(map(_block_id, blocks))
+        null_id = self.null_block.block_id
+        if null_id in ids:
+            blocks = [b for b in blocks if b.block_id != null_id]
+            ids = list(map(_block_id, blocks))
         free_queue = self.free_queue
-        if self.enable_caching and None not in map(_block_hash, blocks):
-            if null_block in blocks:
-                blocks = [b for b in blocks if b is not null_block]
-            free_queue.update(zip(map(_block_id, blocks), blocks, strict=True))
-            return
-        evict_first: list[KVBlock] = []
-        for block in blocks:
-            if block is not null_block:
-                if block.block_hash is None or not self.enable_caching:
-                    evict_first.append(block)
-                else:
-                    free_queue[block.block_id] = block
+        if self.enable_caching:
+            hashed = list(map(is_not, map(_block_hash, blocks), repeat(None)))
+            if all(hashed):
+                free_queue.update(zip(ids, blocks, strict=True))
+                return
+            free_queue.update(zip(compress(ids, hashed), compress(blocks, hashed), strict=True))
+            evict_first = list(compress(blocks, map(not_, hashed)))
+        else:
+            evict_first = blocks
         move_to_end = free_queue.move_to_end
         for block in reversed(evict_first):
             free_queue[block.block_id] = block
