@@ -5,10 +5,26 @@ advances the clock by that duration, then the step's tokens are delivered (sampl
 finished requests, their completion events). When nothing is queued the engine sleeps
 until the next arrival; the step that wakes it is priced as after idle (see CostModel).
 This module and the workload processes are the only simpy users.
+
+Fast path (the default): a *decode stretch* is a run of steps in which nothing the
+scheduler reacts to can happen: every running request decodes one token, nobody can be
+admitted (the waiting queue is empty, ``max_num_seqs`` / the token budget is full, or the
+queue's head does not fit in the free blocks and no block it could hit gets registered), no
+request reaches its output length or ``max_model_len`` before the stretch's last step, the
+free queue covers every block the stretch needs (so nobody is preempted), no SimPy event
+(an arrival, a tool-call wake-up) falls inside it and it ends before the engine's horizon
+(the run's time limit). Such a stretch is advanced in bulk: step durations from the cost
+model one after the other, block-boundary allocations and prefix-cache registrations in
+the order vLLM's scheduler makes them (step by step, running requests in order), the
+finishing requests of its last step freed in running order, and one SimPy timeout to the
+exact end time the step-by-step path reaches. ``Engine(..., fast=False)`` runs every step
+through :meth:`Scheduler.schedule`, the reference the fast path is tested against
+(``tests/sim/test_fast_path.py``): both give identical step and request tables.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Generator
 from typing import Any, Protocol
 
@@ -20,11 +36,25 @@ from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler
 from sim.workload.base import RequestMeta, SinkBase
 
+# A stretch shorter than this is run as ordinary steps (the bulk set-up would cost more).
+MIN_STRETCH_STEPS = 2
+
 
 class StepCost(Protocol):
     def step_time_s(
         self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
     ) -> float: ...
+
+
+def delay_to(now_s: float, target_s: float) -> float | None:
+    """A delay ``d`` with ``now_s + d == target_s`` exactly (SimPy schedules at now + delay),
+    or None when rounding skips the target (no such float ``d`` exists)."""
+    delay = target_s - now_s
+    while now_s + delay < target_s:
+        delay = math.nextafter(delay, math.inf)
+    while now_s + delay > target_s:
+        delay = math.nextafter(delay, -math.inf)
+    return delay if now_s + delay == target_s and delay >= 0 else None
 
 
 class Engine(SinkBase):
@@ -36,11 +66,19 @@ class Engine(SinkBase):
         scheduler: Scheduler,
         cost_model: StepCost,
         recorder: Recorder,
+        fast: bool = True,
     ) -> None:
         super().__init__(env, scheduler.config.block_size, scheduler.max_model_len)
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.recorder = recorder
+        self.fast = fast
+        # No step of a decode stretch may end after this time (the run's time limit: the
+        # step-by-step path never records a step ending past it).
+        self.horizon_s = math.inf
+        self.num_stretches = 0
+        self.num_stretch_steps = 0
+        self._stretch_end_s = 0.0
         self._done: dict[str, simpy.Event] = {}
         self.process = env.process(self._run())
 
@@ -61,6 +99,7 @@ class Engine(SinkBase):
         step_time_s = self.cost_model.step_time_s
         recorder = self.recorder
         done = self._done
+        fast = self.fast
         after_idle = True  # the first step wakes the engine up
         since_prefill = -1  # steps past the last prefill step; -1 before the first one
         while True:
@@ -68,10 +107,30 @@ class Engine(SinkBase):
                 yield self._idle()
                 after_idle = True
                 continue
+            if fast and not after_idle:
+                stretch = self._plan_stretch(since_prefill)
+                if stretch is not None:
+                    durations, since_prefill, finished = stretch
+                    end_s = self._stretch_end_s
+                    delay = delay_to(env.now, end_s)
+                    if delay is not None:
+                        yield env.timeout(delay)
+                    else:  # step by step, as the reference adds them up
+                        for duration_s in durations:
+                            yield env.timeout(duration_s)
+                    assert env.now == end_s
+                    for request in finished:
+                        done.pop(request.request_id).succeed(request)
+                    continue
             output = scheduler.schedule()
             # Sizing guarantees one max_model_len request fits, so an idle engine can always
-            # admit the head of the queue: an empty step with work queued is a bug.
-            assert not output.is_empty, "scheduler made no progress with requests queued"
+            # admit the head of the queue: an empty step with work queued is a bug, unless
+            # it preempted. vLLM then runs an empty step too: a request that could not grow
+            # and was itself the preemption victim ends the running loop, and a step that
+            # preempted admits nobody.
+            assert not output.is_empty or output.preempted_ids, (
+                "scheduler made no progress with requests queued"
+            )
             start_s = env.now
             if output.shape.num_prefill_reqs:
                 since_prefill = 0
@@ -84,3 +143,239 @@ class Engine(SinkBase):
             recorder.on_step(output, update, start_s, env.now, scheduler)
             for request in update.finished:
                 done.pop(request.request_id).succeed(request)
+
+    # -- decode stretches ---------------------------------------------------------------------
+    def _plan_stretch(self, since_prefill: int) -> tuple[list[float], int, list[Request]] | None:
+        """Advance a decode stretch in bulk if one starts now (see the module docstring).
+
+        Returns (its step durations, steps since prefill after it, requests finished in its
+        last step) and sets ``_stretch_end_s``, or None when the next step must go through
+        the scheduler.
+        """
+        scheduler = self.scheduler
+        running = scheduler.running
+        num_running = len(running)
+        if not num_running or num_running > scheduler.max_num_batched_tokens:
+            return None
+        kv = scheduler.kv_cache_manager
+        head_miss: int | None = None
+        if len(scheduler.waiting) and (
+            num_running < scheduler.max_num_seqs and num_running < scheduler.max_num_batched_tokens
+        ):
+            # The scheduler tries to admit the head of the queue every step: the stretch
+            # goes on only while that fails for want of free blocks (see admission_blocked).
+            blocked, head_miss = kv.admission_blocked(scheduler.waiting.peek())
+            if not blocked:
+                return None
+        max_model_len = scheduler.max_model_len
+        # Steps until each request finishes (its f-th step from now samples its last token).
+        k_cap = 1 << 62
+        for request in running:
+            num_tokens = len(request.token_ids)
+            if (
+                request.num_computed_tokens != num_tokens - 1
+                or num_tokens <= request.num_prompt_tokens
+            ):
+                return None  # a prefill (or a resumed recompute) is in the batch
+            left = request.max_tokens - (num_tokens - request.num_prompt_tokens)
+            if max_model_len - num_tokens < left:
+                left = max_model_len - num_tokens
+            if left < k_cap:
+                k_cap = left
+        recorder = self.recorder
+        block_map = recorder.block_map
+        first_step = scheduler.num_steps + 1
+        if block_map is not None:
+            # A block-map snapshot is taken after its step: end the stretch there.
+            interval = block_map.interval
+            to_snapshot = (-(first_step - 1)) % interval + 1
+            if to_snapshot < k_cap:
+                k_cap = to_snapshot
+        if k_cap < MIN_STRETCH_STEPS:
+            return None
+
+        # Step times, one after the other as the step-by-step path adds them, until a SimPy
+        # event would intervene (it must be seen by the scheduler of the step after it) or
+        # a step would end past the horizon. Timed first: a stretch cut short here costs no
+        # block planning.
+        env = self._env
+        next_event_s = env.peek()
+        horizon_s = self.horizon_s
+        step_time_s = self.cost_model.step_time_s
+        context0 = 0
+        for request in running:
+            context0 += request.num_computed_tokens
+        shape = BatchShape(0, 0, 0.0, num_running, context0)
+        now_s = env.now
+        starts: list[float] = []
+        ends: list[float] = []
+        durations: list[float] = []
+        step_since_prefill = since_prefill
+        num_steps = 0
+        while num_steps < k_cap:
+            if num_steps and now_s >= next_event_s:
+                break
+            if step_since_prefill >= 0:
+                step_since_prefill += 1
+            shape.decode_context_tokens = context0 + num_running * num_steps
+            duration_s = step_time_s(shape, False, step_since_prefill)
+            end_s = now_s + duration_s
+            if end_s > horizon_s:
+                break
+            durations.append(duration_s)
+            starts.append(now_s)
+            ends.append(end_s)
+            now_s = end_s
+            num_steps += 1
+        if num_steps < MIN_STRETCH_STEPS:
+            return None
+
+        pool = kv.block_pool
+        block_size = kv.block_size
+        tables = kv.req_to_blocks
+        # New blocks (step, running index): a block is popped from the free queue when the
+        # token at its start is computed. vLLM pops inside allocate_slots, step by step,
+        # request by request.
+        pops: list[tuple[int, int]] = []
+        num_held = 0
+        for index, request in enumerate(running):
+            num_blocks = len(tables[request.request_id])
+            num_held += num_blocks
+            k = num_blocks * block_size - request.num_computed_tokens
+            while k < num_steps:
+                pops.append((k, index))
+                k += block_size
+        num_free = len(pool.free_queue)
+        if pops:
+            pops.sort()
+            if len(pops) > num_free:
+                # The step of the first pop the free queue cannot serve: stop before it.
+                num_steps = pops[num_free][0]
+                if num_steps < MIN_STRETCH_STEPS:
+                    return None
+                del starts[num_steps:], ends[num_steps:], durations[num_steps:]
+                pops = [pop for pop in pops if pop[0] < num_steps]
+        if since_prefill >= 0:
+            since_prefill += num_steps
+
+        # Apply: tokens, blocks and cache registrations, in vLLM's order.
+        num_hashes = [len(request.block_hashes) for request in running]
+        for request in running:
+            request.append_output_token_ids(num_steps)
+            request.num_computed_tokens += num_steps
+        pops_by_step = [0] * num_steps
+        if kv.enable_caching:
+            num_cached = kv.num_cached_block
+            new_hashes: list[int] = []
+            for request in running:
+                new_hashes += request.block_hashes[
+                    num_cached[request.request_id] : request.num_computed_tokens // block_size
+                ]
+            if head_miss is not None and head_miss in new_hashes:
+                # The queue's head would hit this block once registered: undo, step by step.
+                for request, n in zip(running, num_hashes, strict=True):
+                    del request.token_ids[-num_steps:], request.block_hashes[n:]
+                    request.num_computed_tokens -= num_steps
+                return None
+            self._apply_blocks_caching(running, pops, pops_by_step, new_hashes)
+        else:
+            new_blocks = pool.get_new_blocks(len(pops)) if pops else []
+            for (k, index), block in zip(pops, new_blocks, strict=True):
+                tables[running[index].request_id].append(block)
+                pops_by_step[k] += 1
+        kv_free_counts: list[int] = []
+        free = num_free
+        for n in pops_by_step:
+            free -= n
+            kv_free_counts.append(free)
+        scheduler.num_steps += num_steps
+        self.num_stretches += 1
+        self.num_stretch_steps += num_steps
+
+        # The last step may finish requests: as update_from_output, in running order.
+        finished: list[Request] = []
+        requests = scheduler.requests
+        for request in running:
+            num_tokens = len(request.token_ids)
+            if (
+                num_tokens - request.num_prompt_tokens >= request.max_tokens
+                or num_tokens >= max_model_len
+            ):
+                request.mark_finished()
+                kv.free(request)
+                del requests[request.request_id]
+                finished.append(request)
+        if finished:
+            gone = {id(r) for r in finished}
+            scheduler.running = [r for r in running if id(r) not in gone]
+        recorder.on_stretch(
+            first_step,
+            starts,
+            ends,
+            running,
+            finished,
+            context0,
+            num_held,
+            pops_by_step,
+            kv_free_counts,
+            pool.num_gpu_blocks,
+            len(scheduler.waiting),
+            scheduler,
+        )
+        self._stretch_end_s = ends[-1]
+        return durations, since_prefill, finished
+
+    def _apply_blocks_caching(
+        self,
+        running: list[Request],
+        pops: list[tuple[int, int]],
+        pops_by_step: list[int],
+        new_hashes: list[int],
+    ) -> None:
+        """Pop a stretch's new blocks and register its newly full blocks (prefix caching on).
+
+        vLLM interleaves both, step by step, request by request. Pops only evict hashes that
+        are cached now; registrations only add hashes. When no hash registered in the stretch
+        is cached now or registered twice, the two never meet, so all pops (in order) then
+        all registrations (request by request) leave the same pool; otherwise the events are
+        replayed one by one in vLLM's order.
+        """
+        kv = self.scheduler.kv_cache_manager
+        pool = kv.block_pool
+        tables = kv.req_to_blocks
+        num_cached = kv.num_cached_block
+        block_size = kv.block_size
+        if pool.first_cached_block.keys().isdisjoint(new_hashes) and len(set(new_hashes)) == len(
+            new_hashes
+        ):
+            if pops:
+                for (k, index), block in zip(pops, pool.get_new_blocks(len(pops)), strict=True):
+                    tables[running[index].request_id].append(block)
+                    pops_by_step[k] += 1
+            if new_hashes:
+                for request in running:
+                    kv.cache_blocks(request, request.num_computed_tokens)
+            return
+        # Events (step, running index, kind): kind 0 = a new block popped, kind 1 = full
+        # blocks registered (at once if already past: k clamps to 0).
+        num_steps = len(pops_by_step)
+        events: list[tuple[int, int, int]] = [(k, index, 0) for k, index in pops]
+        for index, request in enumerate(running):
+            computed0 = request.num_computed_tokens - num_steps
+            k = (num_cached[request.request_id] + 1) * block_size - computed0 - 1
+            while k < num_steps:
+                events.append((k if k > 0 else 0, index, 1))
+                k += block_size
+        events.sort()
+        popitem = pool.free_queue.popitem
+        for k, index, kind in events:
+            request = running[index]
+            if kind == 0:
+                block = popitem(last=False)[1]
+                if block.block_hash is not None:
+                    pool.evict(block)
+                block.ref_cnt = 1
+                tables[request.request_id].append(block)
+                pops_by_step[k] += 1
+            else:
+                kv.cache_blocks(request, request.num_computed_tokens - num_steps + k + 1)

@@ -1,13 +1,18 @@
 """Records what happened, per request and per step, in the results schema of design.md.
 
-The recorder is written to from the engine's hot loop, so it appends to plain lists and
-only builds DataFrames at the end. It keeps a reference to a request only while the request
-is alive: a finished agent turn can hold tens of thousands of token ids.
+The recorder is written to from the engine's hot loop. Storage is columnar: each step column
+is a typed ``array.array`` (int64 or float64, the dtype it has in ``steps.parquet``) and each
+request's token times one float64 ``array.array``, so a run of 100k requests and millions
+of steps costs 8 bytes per value, not a Python object per value. DataFrames are built at the
+end. The recorder keeps a reference to a request only while the request is alive: a
+finished agent turn can hold tens of thousands of token ids.
 """
 
 from __future__ import annotations
 
 import math
+from array import array
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -55,7 +60,7 @@ class RequestRecord:
         self.finish_s = NAN
         self.cached_tokens = -1  # prefix-hit tokens at first admission; -1 until admitted
         self.num_preemptions = 0
-        self.token_times_s: list[float] = []
+        self.token_times_s = array("d")
 
 
 class Recorder:
@@ -66,7 +71,7 @@ class Recorder:
         self.block_map = block_map
         self.requests: dict[str, RequestRecord] = {}
         self._order: list[RequestRecord] = []
-        self.steps: dict[str, list[float]] = {name: [] for name in STEP_COLUMNS}
+        self.steps: dict[str, array] = {name: array(STEP_TYPECODES[name]) for name in STEP_COLUMNS}
 
     def on_arrival(self, request: Request, meta: RequestMeta, now_s: float) -> None:
         record = RequestRecord(request, meta, now_s)
@@ -121,6 +126,74 @@ class Recorder:
         if self.block_map is not None:
             self.block_map.maybe_snapshot(output.step, end_s, scheduler, self._class_of)
 
+    def on_stretch(
+        self,
+        first_step: int,
+        starts: Sequence[float],
+        ends: Sequence[float],
+        running: Sequence[Request],
+        finished: Sequence[Request],
+        context0: int,
+        num_held_blocks: int,
+        new_blocks_by_step: Sequence[int],
+        free_blocks_by_step: Sequence[int],
+        num_gpu_blocks: int,
+        num_waiting: int,
+        scheduler: Scheduler,
+    ) -> None:
+        """Record a decode stretch (see ``sim.engine``): ``len(starts)`` steps in which every
+        request of ``running`` (the batch, in order) decoded one token, the rows
+        :meth:`on_step` would have written one step at a time. ``finished`` finished in
+        the last step; ``scheduler`` is in its state after that step."""
+        num_steps = len(starts)
+        num_running = len(running)
+        block_size = self.block_size
+        steps = self.steps
+        records = self.requests
+        for request in running:
+            records[request.request_id].token_times_s.extend(ends)
+        end_s = ends[-1]
+        for request in finished:
+            self.on_finished(request, end_s)
+        zeros = array("q", bytes(8 * num_steps))
+        steps["step"].extend(range(first_step, first_step + num_steps))
+        steps["start_s"].extend(starts)
+        steps["duration_s"].extend([e - s for s, e in zip(starts, ends, strict=True)])
+        steps["num_prefill_tokens"].extend(zeros)
+        steps["num_decode_tokens"].extend(array("q", [num_running]) * num_steps)
+        steps["num_prefill_reqs"].extend(zeros)
+        steps["decode_context_tokens"].extend(
+            range(context0, context0 + num_running * num_steps, num_running)
+        )
+        steps["prefill_attention_pairs"].extend(array("d", bytes(8 * num_steps)))
+        steps["num_requests_running"].extend(array("q", [num_running]) * num_steps)
+        steps["num_requests_waiting"].extend(array("q", [num_waiting]) * num_steps)
+        usable = num_gpu_blocks - 1
+        steps["kv_cache_usage_perc"].extend([1.0 - f / usable for f in free_blocks_by_step])
+        steps["num_free_blocks"].extend(free_blocks_by_step)
+        for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
+            steps[name].extend(zeros)
+        steps["resumed_prefix_cache_hits"].extend(zeros)
+        # Unused slots after each step: held blocks x block_size - computed tokens. The last
+        # step is read off the scheduler (its finished requests are gone from the batch).
+        unused = steps["kv_unused_slots"]
+        held = num_held_blocks
+        computed = context0
+        for new_blocks in new_blocks_by_step[:-1]:
+            held += new_blocks
+            computed += num_running
+            unused.append(held * block_size - computed)
+        tables = scheduler.kv_cache_manager.req_to_blocks
+        still_running = scheduler.running
+        unused.append(
+            sum(len(tables[r.request_id]) for r in still_running) * block_size
+            - sum(r.num_computed_tokens for r in still_running)
+        )
+        if self.block_map is not None:
+            self.block_map.maybe_snapshot(
+                first_step + num_steps - 1, end_s, scheduler, self._class_of
+            )
+
     def _class_of(self, request_id: str) -> str:
         return self.requests[request_id].meta.priority_class
 
@@ -129,7 +202,7 @@ class Recorder:
         """One row per request (finished or not), in arrival order."""
         rows = []
         for rec in self._order:
-            times = rec.token_times_s
+            times = rec.token_times_s.tolist()
             if rec.request is not None:  # unfinished at the end of the run
                 rec.output_tokens = rec.request.num_output_tokens
                 rec.num_preemptions = rec.request.num_preemptions
@@ -161,8 +234,17 @@ class Recorder:
         return pd.DataFrame.from_records(rows, columns=REQUEST_COLUMNS)
 
     def steps_frame(self) -> pd.DataFrame:
-        """One row per engine step."""
-        return pd.DataFrame(self.steps)
+        """One row per engine step (int64 and float64 columns, as in ``steps.parquet``)."""
+        if not len(self.steps["step"]):
+            return pd.DataFrame({name: [] for name in STEP_COLUMNS})
+        return pd.DataFrame(
+            {
+                name: np.frombuffer(
+                    column, dtype=np.int64 if column.typecode == "q" else np.float64
+                ).copy()
+                for name, column in self.steps.items()
+            }
+        )
 
 
 REQUEST_COLUMNS = [
@@ -189,3 +271,11 @@ REQUEST_COLUMNS = [
 
 # The step table's columns are sim.step_record.StepRecord's fields.
 STEP_COLUMNS = list(STEP_RECORD_COLUMNS)
+
+# Storage type of each step column: "d" float64, "q" int64.
+STEP_TYPECODES = {
+    name: "d"
+    if name in ("start_s", "duration_s", "prefill_attention_pairs", "kv_cache_usage_perc")
+    else "q"
+    for name in STEP_COLUMNS
+}

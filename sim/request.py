@@ -125,6 +125,21 @@ class Request:
         if len(self.token_ids) % self.block_size == 0:
             self._hash_new_full_blocks()
 
+    def append_output_token_ids(self, num_tokens: int) -> None:
+        """Sample ``num_tokens`` tokens at once (a decode stretch): the same tokens and block
+        hashes as ``num_tokens`` calls of ``append_output_token_id(next_output_token_id())``."""
+        start = len(self.token_ids) - self.num_prompt_tokens
+        if self._planned_output is not None:
+            self.token_ids.extend(self._planned_output[start : start + num_tokens])
+        else:
+            prefix = self.request_id
+            self.token_ids.extend(
+                zlib.crc32(f"{prefix}:{i}".encode()) & 0x7FFF
+                for i in range(start, start + num_tokens)
+            )
+        if len(self.token_ids) // self.block_size > len(self.block_hashes):
+            self._hash_new_full_blocks()
+
     def _hash_new_full_blocks(self) -> None:
         bs = self.block_size
         hashes = self.block_hashes

@@ -69,11 +69,14 @@ def simulate(
     scenario: Scenario,
     calibration: CalibrationProfile | None = None,
     progress: ProgressFn | None = None,
+    exact_reference: bool = False,
 ) -> SimulationResult:
     """Run the scenario to completion (or to its time limit) and summarise it.
 
     ``progress(sim_time_s, num_finished, expected_num_requests)`` is called every
-    ``PROGRESS_INTERVAL_S`` simulated seconds.
+    ``PROGRESS_INTERVAL_S`` simulated seconds. ``exact_reference`` runs every step through
+    the scheduler, without the engine's decode stretches (see ``sim.engine``): the
+    reference the fast path is tested against; results are identical, only slower.
     """
     sizing = size_for(scenario)
     engine_cfg = scenario.engine
@@ -85,13 +88,14 @@ def simulate(
     scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
     block_map = BlockMapRecorder()
     recorder = Recorder(engine_cfg.block_size, block_map)
-    engine = Engine(env, scheduler, cost_model, recorder)
+    engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
     workload = build_workload(scenario.workload, scenario.seed)
     rng = np.random.default_rng(scenario.seed)
     workload.start(engine, rng)
     expected = workload.expected_num_requests()
 
     limit_s = scenario.limits.max_duration_s
+    engine.horizon_s = limit_s
     truncated = False
     next_report_s = PROGRESS_INTERVAL_S
     peek, step = env.peek, env.step

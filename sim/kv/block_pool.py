@@ -17,8 +17,20 @@ remove from the middle, like vLLM's hand-made doubly linked list.
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
+from itertools import compress, islice, repeat
+from operator import add, attrgetter, eq, is_not, not_, sub
+
+# The pool's bulk operations walk thousands of blocks per call (a long agent context is
+# touched on admission and freed on finish): they iterate with map() and friends, in C.
+_block_id = attrgetter("block_id")
+_ref_cnt = attrgetter("ref_cnt")
+_block_hash = attrgetter("block_hash")
+
+
+def _consume(iterator: Iterable[object]) -> None:
+    deque(iterator, maxlen=0)
 
 
 class KVBlock:
@@ -92,7 +104,7 @@ class BlockPool:
 
     def cached_block_ids(self) -> list[int]:
         """Ids of every block registered in the prefix cache, free or owned."""
-        ids = [b.block_id for b in self.first_cached_block.values()]
+        ids = list(map(_block_id, self.first_cached_block.values()))
         for holders in self.duplicate_blocks.values():
             ids.extend(list(holders)[1:])
         return ids
@@ -104,15 +116,27 @@ class BlockPool:
     # -- transitions --------------------------------------------------------------------------
     def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
         """Pop ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
-        if num_blocks > len(self.free_queue):
-            raise ValueError(f"cannot get {num_blocks} free blocks from {len(self.free_queue)}")
-        popitem = self.free_queue.popitem
-        out = [popitem(last=False)[1] for _ in range(num_blocks)]
-        for block in out:
-            assert block.ref_cnt == 0, block
-            if block.block_hash is not None:
-                self.evict(block)
-            block.ref_cnt = 1
+        free_queue = self.free_queue
+        if num_blocks > len(free_queue):
+            raise ValueError(f"cannot get {num_blocks} free blocks from {len(free_queue)}")
+        if num_blocks == 1:
+            out = [free_queue.popitem(last=False)[1]]
+        else:
+            out = list(islice(free_queue.values(), num_blocks))
+            _consume(map(free_queue.__delitem__, map(_block_id, out)))
+        if self.enable_caching:
+            hashes = list(map(_block_hash, out))
+            hashed = list(map(is_not, hashes, repeat(None)))
+            if any(hashed):
+                first = self.first_cached_block
+                if self.duplicate_blocks:
+                    for block in compress(out, hashed):
+                        self.evict(block)
+                else:
+                    _consume(map(first.__delitem__, compress(hashes, hashed)))
+                    self.num_evicted_blocks += hashed.count(True)
+                    _consume(map(setattr, out, repeat("block_hash"), repeat(None)))
+        _consume(map(setattr, out, repeat("ref_cnt"), repeat(1)))
         return out
 
     def evict(self, block: KVBlock) -> None:
@@ -132,11 +156,16 @@ class BlockPool:
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
-        free_queue = self.free_queue
-        for block in blocks:
-            if block.ref_cnt == 0:
-                del free_queue[block.block_id]
-            block.ref_cnt += 1
+        refs = list(map(_ref_cnt, blocks))
+        num_free = refs.count(0)
+        if num_free == len(refs):  # the common case: a whole freed context hit again
+            _consume(map(self.free_queue.__delitem__, map(_block_id, blocks)))
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)))
+            return
+        if num_free:
+            free_queue = self.free_queue
+            _consume(map(free_queue.__delitem__, compress(map(_block_id, blocks), map(not_, refs))))
+        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, refs, repeat(1))))
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block; blocks reaching 0 return to the free queue.
@@ -144,16 +173,32 @@ class BlockPool:
         ``ordered_blocks`` is in eviction order (first = evicted first): un-hashed blocks are
         prepended in that order, hashed blocks appended in that order.
         """
-        evict_first: list[KVBlock] = []
+        blocks = list(ordered_blocks)
+        refs = list(map(_ref_cnt, blocks))
+        assert 0 not in refs, blocks
+        num_last = refs.count(1)
+        if num_last == len(refs):  # the common case: a finished request's own blocks
+            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)))
+        else:
+            _consume(map(setattr, blocks, repeat("ref_cnt"), map(sub, refs, repeat(1))))
+            if not num_last:
+                return
+            blocks = list(compress(blocks, map(eq, refs, repeat(1))))
+        ids = list(map(_block_id, blocks))
+        null_id = self.null_block.block_id
+        if null_id in ids:
+            blocks = [b for b in blocks if b.block_id != null_id]
+            ids = list(map(_block_id, blocks))
         free_queue = self.free_queue
-        for block in ordered_blocks:
-            block.ref_cnt -= 1
-            assert block.ref_cnt >= 0, block
-            if block.ref_cnt == 0 and block is not self.null_block:
-                if block.block_hash is None or not self.enable_caching:
-                    evict_first.append(block)
-                else:
-                    free_queue[block.block_id] = block
+        if self.enable_caching:
+            hashed = list(map(is_not, map(_block_hash, blocks), repeat(None)))
+            if all(hashed):
+                free_queue.update(zip(ids, blocks, strict=True))
+                return
+            free_queue.update(zip(compress(ids, hashed), compress(blocks, hashed), strict=True))
+            evict_first = list(compress(blocks, map(not_, hashed)))
+        else:
+            evict_first = blocks
         move_to_end = free_queue.move_to_end
         for block in reversed(evict_first):
             free_queue[block.block_id] = block
@@ -168,11 +213,14 @@ class BlockPool:
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
         first = self.first_cached_block
-        for i in range(num_cached_blocks, num_full_blocks):
-            block = blocks[i]
-            block_hash = block_hashes[i]
-            assert block.block_hash is None, block
-            block.block_hash = block_hash
+        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
+        assert not any(map(is_not, map(_block_hash, new_blocks), repeat(None))), new_blocks
+        _consume(map(setattr, new_blocks, repeat("block_hash"), new_hashes))
+        if not any(map(first.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
+            first.update(zip(new_hashes, new_blocks, strict=True))
+            return
+        for block, block_hash in zip(new_blocks, new_hashes, strict=True):
             holder = first.get(block_hash)
             if holder is None:
                 first[block_hash] = block

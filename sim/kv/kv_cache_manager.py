@@ -8,9 +8,12 @@ Read with ``vllm/v1/core/kv_cache_manager.py`` and ``single_type_kv_cache_manage
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import attrgetter
 
 from sim.kv.block_pool import BlockPool, KVBlock
 from sim.request import Request, RequestStatus
+
+_ref_cnt = attrgetter("ref_cnt")
 
 
 def cdiv(a: int, b: int) -> int:
@@ -36,6 +39,8 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
+        # get_computed_blocks' last answer: (request, max blocks, pool evictions, hits).
+        self._lookup_memo: tuple[Request, int, int, list[KVBlock]] | None = None
 
     @property
     def usage(self) -> float:
@@ -55,15 +60,30 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         max_blocks = (len(request.token_ids) - 1) // self.block_size
-        get = self.block_pool.first_cached_block.get
-        hits: list[KVBlock] = []
-        append = hits.append
-        for block_hash in request.block_hashes[:max_blocks]:
-            block = get(block_hash)
-            if block is None:
-                break
-            append(block)
-        return hits, len(hits) * self.block_size
+        pool = self.block_pool
+        get = pool.first_cached_block.get
+        hashes = request.block_hashes
+        # The scheduler asks again for the head of the queue every step it cannot admit it.
+        # Registrations only add hashes and only an eviction changes a hash's first block,
+        # so with no eviction since the last answer for this request its hits still stand:
+        # look further from its first miss.
+        version = pool.num_evicted_blocks
+        memo = self._lookup_memo
+        if memo is not None and memo[0] is request and memo[1] == max_blocks and memo[2] == version:
+            hits = memo[3]
+            num_hits = len(hits)
+            if num_hits < max_blocks and get(hashes[num_hits]) is not None:
+                more = list(map(get, hashes[num_hits:max_blocks]))
+                if None in more:
+                    del more[more.index(None) :]
+                hits += more
+        else:
+            # Look every hash up in C, then cut at the first miss.
+            hits = list(map(get, hashes[:max_blocks]))
+            if None in hits:
+                del hits[hits.index(None) :]
+        self._lookup_memo = (request, max_blocks, version, hits)
+        return list(hits), len(hits) * self.block_size
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(
@@ -147,11 +167,10 @@ class KVCacheManager:
         # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
         # free block just like a fresh allocation.
         num_hit = len(new_computed_blocks)
-        num_evictable = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        num_evictable = list(map(_ref_cnt, new_computed_blocks)).count(0)
 
         if full_sequence_must_fit:
-            full_num_tokens = min(request.num_tokens, self.max_model_len)
-            needed = max(cdiv(full_num_tokens, self.block_size) - num_hit, 0) + num_evictable
+            needed = self._full_sequence_blocks(request, num_hit, num_evictable)
             if needed + watermark_blocks > num_free:
                 return None
 
@@ -172,6 +191,31 @@ class KVCacheManager:
             num_tokens_to_cache = min(total_computed + num_new_tokens, request.num_tokens)
             self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
+
+    def _full_sequence_blocks(self, request: Request, num_hit: int, num_evictable: int) -> int:
+        """Free blocks that admitting the request's whole sequence takes (prefix hits on
+        free blocks included: touching them takes them out of the free queue)."""
+        full_num_tokens = min(request.num_tokens, self.max_model_len)
+        return max(cdiv(full_num_tokens, self.block_size) - num_hit, 0) + num_evictable
+
+    def admission_blocked(self, request: Request) -> tuple[bool, int | None]:
+        """Whether the scheduler would refuse to admit this waiting request now for want of
+        free blocks (the full-sequence check of :meth:`allocate_slots`, with the watermark
+        of a step that already scheduled someone), and the hash of its first block that
+        misses the prefix cache (None if all that can hit do).
+
+        The refusal holds for as long as the free queue only shrinks and that missing hash
+        is not registered: evictions never lower the need (a lost hit on a free block
+        frees its cost too), and only that registration can add hits.
+        """
+        hits, _ = self.get_computed_blocks(request)
+        num_evictable = list(map(_ref_cnt, hits)).count(0)
+        needed = self._full_sequence_blocks(request, len(hits), num_evictable)
+        blocked = needed + self.watermark_blocks > self.block_pool.num_free_blocks
+        miss: int | None = None
+        if self.enable_caching and len(hits) < (len(request.token_ids) - 1) // self.block_size:
+            miss = request.block_hashes[len(hits)]
+        return blocked, miss
 
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks up to ``num_tokens`` in the prefix cache."""

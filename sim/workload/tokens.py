@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from sim.request import ROOT_BLOCK_HASH, hash_block
+from sim.request import ROOT_BLOCK_HASH
 
 DEFAULT_VOCAB_SIZE = 32_000
 # Ids below this are left out: most vocabularies put BOS/EOS/PAD and other specials there, and a
@@ -143,8 +143,10 @@ class Context:
 
 def _chain(parent: int, token_ids: list[int], start: int, block_size: int) -> list[int]:
     """Hashes of the full blocks of ``token_ids[start:]``, chained from ``parent``."""
+    # sim.request.hash_block, inlined: a session hashes every token of its context here.
     hashes = []
+    append = hashes.append
     for begin in range(start, len(token_ids) - block_size + 1, block_size):
-        parent = hash_block(parent, token_ids[begin : begin + block_size])
-        hashes.append(parent)
+        parent = hash((parent, tuple(token_ids[begin : begin + block_size])))
+        append(parent)
     return hashes

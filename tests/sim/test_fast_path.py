@@ -1,0 +1,219 @@
+"""The engine's fast path (decode stretches advanced in bulk) against the step-by-step path.
+
+Random small scenarios (open loop and agent sessions with tool waits, fcfs and priority,
+prefix caching on and off, chunked prefill budgets, block pools tight enough to preempt,
+time limits) run through both paths; the step tables, request tables, summaries and block
+maps must be identical, byte for byte once written.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import sim.engine
+from sim.engine import delay_to
+from sim.runner import SimulationResult, simulate
+from sim.scenario import parse_scenario
+
+
+def length(draw: st.DrawFn, low: int, high: int) -> dict[str, Any]:
+    if draw(st.booleans()):
+        return {"kind": "fixed", "value": draw(st.integers(low, high))}
+    lo = draw(st.integers(low, high))
+    return {"kind": "uniform", "low": lo, "high": draw(st.integers(lo, high))}
+
+
+@st.composite
+def scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    max_model_len = draw(st.sampled_from([512, 1024, 2048]))
+    engine: dict[str, Any] = {
+        "block_size": draw(st.sampled_from([16, 32])),
+        "max_model_len": max_model_len,
+        "max_num_seqs": draw(st.sampled_from([2, 4, 16, 64])),
+        "max_num_batched_tokens": draw(st.sampled_from([64, 256, 2048])),
+        "enable_chunked_prefill": True,
+        "long_prefill_token_threshold": draw(st.sampled_from([0, 0, 48])),
+        "enable_prefix_caching": draw(st.booleans()),
+        "scheduling_policy": draw(st.sampled_from(["fcfs", "priority"])),
+        "watermark": draw(st.sampled_from([0.0, 0.0, 0.05])),
+    }
+    if draw(st.booleans()):
+        # Tight enough to preempt, large enough for one max_model_len request.
+        blocks = -(-max_model_len // engine["block_size"]) + 1
+        engine["num_gpu_blocks_override"] = blocks + draw(st.integers(0, 3 * blocks))
+    classes = None
+    if engine["scheduling_policy"] == "priority" or draw(st.booleans()):
+        classes = [
+            {"name": "interactive", "priority": 0, "weight": 0.4},
+            {"name": "background", "priority": 1, "weight": 0.6},
+        ]
+    if draw(st.booleans()):
+        workload: dict[str, Any] = {
+            "kind": "open_loop",
+            "num_requests": draw(st.integers(1, 30)),
+            "arrival": {"kind": "poisson", "rate_per_s": draw(st.sampled_from([1.0, 20.0, 500.0]))},
+            "prompt_tokens": length(draw, 1, max_model_len // 4),
+            "output_tokens": length(draw, 1, max_model_len // 4),
+            "shared_prefix_tokens": draw(st.sampled_from([0, 0, 40])),
+        }
+    else:
+        workload = {
+            "kind": "agent_sessions",
+            "sessions": draw(st.integers(1, 6)),
+            "session_arrival": draw(
+                st.sampled_from(
+                    [{"kind": "poisson", "rate_per_s": 5.0}, {"kind": "burst", "at_s": 0.0}]
+                )
+            ),
+            "turns": {"kind": "fixed", "value": draw(st.integers(1, 4))},
+            "system_prompt_tokens": draw(st.sampled_from([0, 30, 100])),
+            "tool_schema_tokens": draw(st.sampled_from([0, 20])),
+            "user_message_tokens": length(draw, 1, 60),
+            "tool_result_tokens": length(draw, 1, 80),
+            "output_tokens": length(draw, 1, 90),
+            "tool_latency": draw(
+                st.sampled_from(
+                    [
+                        {"kind": "fixed", "value_s": 0.0},
+                        {"kind": "fixed", "value_s": 0.05},
+                        {"kind": "lognormal", "median_s": 0.2, "p95_s": 2.0},
+                    ]
+                )
+            ),
+            "max_context_tokens": max_model_len,
+        }
+    if classes is not None:
+        workload["priority_classes"] = classes
+    scenario: dict[str, Any] = {
+        "name": "fast-path",
+        "seed": draw(st.integers(0, 1000)),
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": engine,
+        "workload": workload,
+    }
+    if draw(st.booleans()):
+        scenario["limits"] = {"max_duration_s": draw(st.sampled_from([0.05, 0.3, 2.0]))}
+    return scenario
+
+
+def parquet_bytes(frame: pd.DataFrame) -> bytes:
+    buffer = io.BytesIO()
+    frame.to_parquet(buffer, index=False)
+    return buffer.getvalue()
+
+
+def assert_identical(fast: SimulationResult, reference: SimulationResult) -> None:
+    assert list(fast.steps.dtypes) == list(reference.steps.dtypes)
+    pd.testing.assert_frame_equal(fast.steps, reference.steps, check_exact=True)
+    assert parquet_bytes(fast.steps) == parquet_bytes(reference.steps)
+    assert parquet_bytes(fast.requests) == parquet_bytes(reference.requests)
+    assert fast.requests["token_times_s"].tolist() == reference.requests["token_times_s"].tolist()
+    assert json.dumps(fast.summary, sort_keys=True) == json.dumps(reference.summary, sort_keys=True)
+    assert fast.block_map.steps == reference.block_map.steps
+    assert fast.block_map.times_s == reference.block_map.times_s
+    assert all(
+        np.array_equal(a, b)
+        for a, b in zip(fast.block_map.states, reference.block_map.states, strict=True)
+    )
+
+
+@settings(
+    max_examples=60,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios())
+def test_fast_path_gives_the_step_by_step_results(raw: dict[str, Any]) -> None:
+    scenario = parse_scenario(raw, "fast-path")
+    assert_identical(simulate(scenario), simulate(scenario, exact_reference=True))
+
+
+@pytest.fixture
+def stretch_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Steps the engines of the test ran as decode stretches."""
+    counted: list[int] = []
+    plan = sim.engine.Engine._plan_stretch
+
+    def counting(self: sim.engine.Engine, since_prefill: int) -> Any:
+        stretch = plan(self, since_prefill)
+        if stretch is not None:
+            counted.append(self.num_stretch_steps)
+        return stretch
+
+    monkeypatch.setattr(sim.engine.Engine, "_plan_stretch", counting)
+    return counted
+
+
+def test_a_decode_heavy_run_goes_mostly_through_stretches_with_identical_results(
+    stretch_counter: list[int],
+) -> None:
+    raw = {
+        "name": "decode-heavy",
+        "seed": 3,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {"max_model_len": 4096, "block_size": 16},
+        "workload": {
+            "kind": "agent_sessions",
+            "sessions": 8,
+            "session_arrival": {"kind": "poisson", "rate_per_s": 2.0},
+            "turns": {"kind": "fixed", "value": 3},
+            "system_prompt_tokens": 200,
+            "tool_schema_tokens": 50,
+            "user_message_tokens": {"kind": "fixed", "value": 40},
+            "tool_result_tokens": {"kind": "fixed", "value": 100},
+            "output_tokens": {"kind": "uniform", "low": 100, "high": 300},
+            "tool_latency": {"kind": "fixed", "value_s": 0.5},
+            "max_context_tokens": 4096,
+        },
+    }
+    scenario = parse_scenario(raw, "decode-heavy")
+    fast = simulate(scenario)
+    num_steps = fast.summary["metrics"]["num_steps"]
+    assert stretch_counter, "no decode stretch was taken"
+    assert stretch_counter[-1] > num_steps // 2
+    assert_identical(fast, simulate(scenario, exact_reference=True))
+
+
+def test_the_reference_path_takes_no_stretch(stretch_counter: list[int]) -> None:
+    raw = {
+        "name": "reference",
+        "seed": 1,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {"max_model_len": 2048},
+        "workload": {
+            "kind": "open_loop",
+            "num_requests": 5,
+            "arrival": {"kind": "poisson", "rate_per_s": 50.0},
+            "prompt_tokens": {"kind": "fixed", "value": 64},
+            "output_tokens": {"kind": "fixed", "value": 64},
+        },
+    }
+    simulate(parse_scenario(raw, "reference"), exact_reference=True)
+    assert stretch_counter == []
+
+
+@pytest.mark.parametrize(
+    ("now_s", "target_s"),
+    [(0.0, 0.1), (0.1, 0.30000000000000004), (1e-9, 12345.678), (2602.7, 2602.7000000001)],
+)
+def test_delay_to_lands_exactly_on_the_target(now_s: float, target_s: float) -> None:
+    delay = delay_to(now_s, target_s)
+    assert delay is not None and delay >= 0
+    assert now_s + delay == target_s
+
+
+def test_delay_to_says_when_rounding_skips_the_target() -> None:
+    # No float d gives 0.019174534276296153 + d == 0.09857705644943048: the sums jump
+    # from ...046 to ...049.
+    assert delay_to(0.019174534276296153, 0.09857705644943048) is None
