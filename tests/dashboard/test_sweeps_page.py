@@ -164,6 +164,34 @@ def test_strict_slo_chooses_among_passing_points(sweeps, monkeypatch) -> None:
     assert any(m.startswith("**p0001** (lowest ITL p99") for m in _texts(at.markdown))
 
 
+def test_three_knobs_fixed_or_mean(tmp_path: Path, monkeypatch) -> None:
+    turns = "workload.turns.value"
+    plan = plan_sweep(
+        SCENARIO, [*GRID, f"{turns}=1,2"], ["workload.sessions=2"], tmp_path / "sweeps" / "three"
+    )
+    table = run_sweep(plan, 1).set_index("point")
+    assert list(table["status"]) == ["ok"] * 4 + ["failed"] * 2 + ["ok"] * 2
+    at = _page(tmp_path, monkeypatch)
+    assert at.radio(key="sw-others").value == "fixed"
+    assert at.selectbox(key=f"sw-fix-{turns}").value == 1
+    z = _array(_figure(at, "sw-heatmap").data[0].z)  # rows: budget 8, 2048; columns: seqs 8, 16
+    good = table["goodput_req_s"]
+    assert [z[0, 0], z[1, 0], z[1, 1]] == [good["p0000"], good["p0002"], good["p0006"]]
+    assert math.isnan(z[0, 1])
+    assert any(f"other knobs fixed at `{turns}`=1." in c for c in _texts(at.caption))
+    at.selectbox(key=f"sw-fix-{turns}").set_value(2).run()
+    z = _array(_figure(at, "sw-heatmap").data[0].z)
+    assert [z[0, 0], z[1, 0], z[1, 1]] == [good["p0001"], good["p0003"], good["p0007"]]
+    at.radio(key="sw-others").set_value("mean").run()
+    assert not at.exception, at.exception
+    heat = _figure(at, "sw-heatmap").data[0]
+    z = _array(heat.z)
+    assert z[0, 0] == pytest.approx((good["p0000"] + good["p0001"]) / 2, rel=1e-12)
+    assert z[1, 1] == pytest.approx((good["p0006"] + good["p0007"]) / 2, rel=1e-12)
+    assert math.isnan(z[0, 1]) and np.asarray(heat.text)[0, 1] == "failed"
+    assert any(f"the mean over its ok points of `{turns}`" in c for c in _texts(at.caption))
+
+
 def test_one_knob_sweep_is_a_line_chart(tmp_path: Path, monkeypatch) -> None:
     table = _sweep(tmp_path, "one", ["engine.max_num_seqs=8,16"], [])
     at = _page(tmp_path, monkeypatch)
