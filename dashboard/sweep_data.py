@@ -93,6 +93,15 @@ def verdicts(table: pd.DataFrame) -> pd.Series:
     return out.rename("verdict")
 
 
+def values(table: pd.DataFrame, knob: str) -> list[object]:
+    """A knob's distinct values in order (by their text when they mix types)."""
+    found = list(table[knob].dropna().unique())
+    try:
+        return sorted(found)
+    except TypeError:
+        return sorted(found, key=str)
+
+
 @dataclass(frozen=True)
 class Heatmap:
     """``z``: the metric per (y value, x value), NaN where no ok point; ``labels``: what each
@@ -128,12 +137,11 @@ def heatmap(
     if isinstance(fixed, dict):
         for field, value in fixed.items():
             rows = rows[rows[field] == value]
-    xs = sorted(table[x].dropna().unique())
-    ys = sorted(table[y].dropna().unique())
+    xs, ys = values(table, x), values(table, y)
     z = pd.DataFrame(float("nan"), index=pd.Index(ys, name=y), columns=pd.Index(xs, name=x))
     labels = pd.DataFrame("", index=z.index, columns=z.columns)
     points = pd.DataFrame("", index=z.index, columns=z.columns)
-    for (yv, xv), cell in rows.groupby([y, x], sort=True):
+    for (yv, xv), cell in rows.groupby([y, x], sort=False):
         ok = cell[cell["status"] == "ok"]
         if not ok.empty:
             z.loc[yv, xv] = float(ok[metric].mean())

@@ -64,7 +64,7 @@ def _heatmap(table: pd.DataFrame, knobs: list[str]) -> None:
         mode = cols[2].radio("Other knobs", ["fixed", "mean"], horizontal=True, key="sw-others")
         if mode == "fixed":
             fixed = {
-                k: st.selectbox(f"`{k}` at", sorted(table[k].dropna().unique()), key=f"sw-fix-{k}")
+                k: st.selectbox(f"`{k}` at", sweep_data.values(table, k), key=f"sw-fix-{k}")
                 for k in others
             }
             how = "other knobs fixed at " + ", ".join(f"`{k}`={v}" for k, v in fixed.items())

@@ -329,3 +329,5 @@ def test_read_results_and_knobs(tmp_path: Path) -> None:
     t = _table()
     assert sweep_data.knobs({"b": ["10"], "a": ["1"], "zz": ["1"]}, t) == ["b", "a"]
     assert sweep_data.knobs(None, t) == ["a", "b", "c"]
+    mixed = pd.DataFrame({"k": [8, "auto", 2, None]}, dtype=object)
+    assert sweep_data.values(mixed, "k") == [2, 8, "auto"]
