@@ -51,15 +51,9 @@ def timeline_figure(
     """KV usage (%) above running / waiting requests over time, preemption steps marked.
 
     ``steps`` holds (downsampled) rows of steps.parquet; ``preemptions`` the steps with
-    ``num_preemptions > 0``. Swap in/out blocks get a third panel when any are non-zero.
+    ``num_preemptions > 0``.
     """
-    swap = (
-        steps[["num_swapped_out_blocks", "num_swapped_in_blocks"]].to_numpy().any()
-        if "num_swapped_out_blocks" in steps
-        else False
-    )
-    rows = 3 if swap else 2
-    fig = make_subplots(rows=rows, cols=1, shared_xaxes=True, vertical_spacing=0.06)
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06)
     t = steps["start_s"]
     fig.add_scatter(
         x=t,
@@ -99,15 +93,8 @@ def timeline_figure(
     )
     fig.update_yaxes(title_text="KV cache usage (%)", range=[0, 105], row=1, col=1)
     fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
-    if swap:
-        for col, name in (
-            ("num_swapped_out_blocks", "swap out"),
-            ("num_swapped_in_blocks", "swap in"),
-        ):
-            fig.add_scatter(x=t, y=steps[col], name=name, row=3, col=1, line={"width": 1})
-        fig.update_yaxes(title_text="blocks per step", row=3, col=1)
-    fig.update_xaxes(title_text=TIME_AXIS, row=rows, col=1)
-    return _layout(fig, 520 if swap else 420, title)
+    fig.update_xaxes(title_text=TIME_AXIS, row=2, col=1)
+    return _layout(fig, 420, title)
 
 
 def cdf_figure(cdfs: pd.DataFrame, metric: str, group: str = "priority_class") -> go.Figure:

@@ -23,8 +23,6 @@ TIMELINE_COLUMNS = [
     "num_requests_waiting",
     "num_free_blocks",
     "num_preemptions",
-    "num_swapped_out_blocks",
-    "num_swapped_in_blocks",
 ]
 # Columns of requests.parquet kept in memory (everything but the per-token times).
 REQUEST_VIEW_COLUMNS = [c for c in REQUEST_COLUMNS if c != "token_times_s"]

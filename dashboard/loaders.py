@@ -67,7 +67,6 @@ class RunView:
     requests: pd.DataFrame  # requests.parquet without the per-token times
     timeline: Sampled  # every k-th step of TIMELINE_COLUMNS
     preemptions: Sampled  # steps with num_preemptions > 0
-    num_swapped_blocks: int
     cdfs: pd.DataFrame  # latency_cdfs(): metric, priority_class, value, fraction
 
     @property
@@ -115,7 +114,6 @@ def build_view(path: Path, max_points: int = MAX_TIMELINE_POINTS) -> RunView:
     requests = table.select(REQUEST_VIEW_COLUMNS).to_pandas()
     requests["priority_class"] = requests["priority_class"].astype("category")
     events = steps[steps["num_preemptions"] > 0]
-    swapped = steps[["num_swapped_out_blocks", "num_swapped_in_blocks"]].to_numpy().sum()
     return RunView(
         path=str(path),
         summary=summary,
@@ -123,7 +121,6 @@ def build_view(path: Path, max_points: int = MAX_TIMELINE_POINTS) -> RunView:
         requests=requests,
         timeline=every_kth(steps, max_points),
         preemptions=every_kth(events, max_points),
-        num_swapped_blocks=int(swapped),
         cdfs=latency_cdfs(requests, _token_times(table)),
     )
 

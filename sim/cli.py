@@ -40,8 +40,8 @@ def run(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Simulate a scenario; write its run directory and print the summary."""
+    from sim.config.calibration import load_profile
     from sim.config.sizing import kv_cache_summary
-    from sim.cost_model import load_cost_params
     from sim.report import summary_table
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
@@ -54,7 +54,7 @@ def run(
         scenario = scenario or DEFAULT_SCENARIO
         spec = load_scenario(scenario, set_ or [])
         check_runnable(spec, str(scenario))
-        profile = load_cost_params(calibration) if calibration is not None else None
+        profile = load_profile(calibration) if calibration is not None else None
         warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
         if warning:
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)

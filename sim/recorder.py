@@ -16,6 +16,7 @@ import pandas as pd
 from sim.block_map import BlockMapRecorder
 from sim.request import Request
 from sim.scheduler.output import SchedulerOutput, StepUpdate
+from sim.step_record import STEP_RECORD_COLUMNS, StepRecord, kv_unused_slots, step_record
 from sim.workload.base import RequestMeta
 
 if TYPE_CHECKING:
@@ -86,11 +87,10 @@ class Recorder:
         record.num_preemptions = request.num_preemptions
         record.request = None
 
-    def add_step(self, **values: float) -> None:
-        """Append one row to the step table (every column of STEP_COLUMNS, by name)."""
-        steps = self.steps
-        for name in STEP_COLUMNS:
-            steps[name].append(values[name])
+    def add_record(self, record: StepRecord) -> None:
+        """Append one row to the step table (its fields are STEP_COLUMNS, in order)."""
+        for column, value in zip(self.steps.values(), record, strict=True):
+            column.append(value)
 
     def on_step(
         self,
@@ -110,33 +110,14 @@ class Recorder:
             records[request.request_id].token_times_s.append(end_s)
         for request in update.finished:
             self.on_finished(request, end_s)
-        # Slots in blocks held by running requests that hold no token yet: the partial tail
-        # block of each request (internal fragmentation) plus slots allocated ahead.
         tables = scheduler.kv_cache_manager.req_to_blocks
         running = scheduler.running
-        held_slots = sum(len(tables[r.request_id]) for r in running) * self.block_size
-        shape = output.shape
-        self.add_step(
-            step=output.step,
-            start_s=start_s,
-            duration_s=end_s - start_s,
-            num_prefill_tokens=shape.num_prefill_tokens,
-            num_decode_tokens=shape.num_decode_reqs,
-            num_prefill_reqs=shape.num_prefill_reqs,
-            decode_context_tokens=shape.decode_context_tokens,
-            prefill_attention_pairs=shape.prefill_attention_pairs,
-            num_requests_running=output.num_running,
-            num_requests_waiting=output.num_waiting,
-            kv_cache_usage_perc=output.kv_usage,
-            num_free_blocks=output.num_free_blocks,
-            num_preemptions=len(output.preempted_ids),
-            prefix_cache_queries=output.num_prefix_query_tokens,
-            prefix_cache_hits=output.num_prefix_hit_tokens,
-            resumed_prefix_cache_hits=output.num_resumed_prefix_hit_tokens,
-            kv_unused_slots=held_slots - sum(r.num_computed_tokens for r in running),
-            num_swapped_out_blocks=0,
-            num_swapped_in_blocks=0,
+        unused = kv_unused_slots(
+            sum(len(tables[r.request_id]) for r in running),
+            self.block_size,
+            sum(r.num_computed_tokens for r in running),
         )
+        self.add_record(step_record(output.step, output, start_s, end_s, unused))
         if self.block_map is not None:
             self.block_map.maybe_snapshot(output.step, end_s, scheduler, self._class_of)
 
@@ -206,24 +187,5 @@ REQUEST_COLUMNS = [
     "token_times_s",
 ]
 
-STEP_COLUMNS = [
-    "step",
-    "start_s",
-    "duration_s",
-    "num_prefill_tokens",
-    "num_decode_tokens",
-    "num_prefill_reqs",
-    "decode_context_tokens",
-    "prefill_attention_pairs",
-    "num_requests_running",
-    "num_requests_waiting",
-    "kv_cache_usage_perc",
-    "num_free_blocks",
-    "num_preemptions",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "resumed_prefix_cache_hits",
-    "kv_unused_slots",
-    "num_swapped_out_blocks",
-    "num_swapped_in_blocks",
-]
+# The step table's columns are sim.step_record.StepRecord's fields.
+STEP_COLUMNS = list(STEP_RECORD_COLUMNS)

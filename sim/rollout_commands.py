@@ -90,6 +90,13 @@ def sweep(
     workers: Annotated[
         int | None, typer.Option(help="Worker processes (default: every local core).")
     ] = None,
+    ray: Annotated[
+        str | None,
+        typer.Option(
+            help="Run the points on Ray: local (a Ray instance for this sweep), auto (the "
+            "cluster `ray start` runs here) or HOST:PORT / ray://HOST:PORT."
+        ),
+    ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a scenario over a grid of overrides in parallel; resumable; one results table."""
@@ -121,7 +128,7 @@ def sweep(
                 failed = f"[red]{len(failures)} failed[/red]" if failures else ""
                 bar.update(task, advance=1, failed=failed)
 
-            table = run_sweep(plan, workers or default_workers(), finished)
+            table = run_sweep(plan, workers or default_workers(), finished, ray)
     except KeyboardInterrupt:
         if plan is not None:
             total = len(plan.points)

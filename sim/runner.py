@@ -14,15 +14,16 @@ import simpy
 
 from sim import __version__
 from sim.block_map import BlockMapRecorder
+from sim.config.calibration import CalibrationProfile
 from sim.config.sizing import KVSizing, size_kv_cache
-from sim.cost_model import CalibrationProfile, CostModel, CostParams
+from sim.cost_model import CostModel, CostParams
 from sim.engine import Engine
 from sim.errors import KvsimConfigError
-from sim.metrics import summarize
 from sim.recorder import Recorder
 from sim.results import write_run
 from sim.scenario import Scenario, scenario_to_yaml
 from sim.scheduler.scheduler import Scheduler
+from sim.summary import build_summary
 from sim.workload import build_workload
 
 # Simulated seconds between progress callbacks (and chances to stop).
@@ -111,22 +112,21 @@ def simulate(
     steps = recorder.steps_frame()
     end_s = float(steps["start_s"].iat[-1] + steps["duration_s"].iat[-1]) if len(steps) else 0.0
     duration_s = limit_s if truncated else end_s
-    num_finished = int(requests["finish_s"].notna().sum())
-    summary: dict[str, Any] = {
+    provenance = {
         "source": "sim",
         "kvsim_version": __version__,
-        "scenario": scenario.name,
-        "seed": scenario.seed,
-        "model": scenario.model.name,
         "hardware": scenario.hardware.name,
         "calibration": None if calibration is None else calibration.model_dump(mode="json"),
-        "complete": True,
-        "truncated_at_limit": truncated,
-        "duration_s": duration_s,
-        "num_requests": len(requests),
-        "num_finished": num_finished,
-        "num_unfinished": len(requests) - num_finished,
-        "kv_cache": {
+    }
+    summary = build_summary(
+        provenance,
+        scenario,
+        requests,
+        steps,
+        complete=True,
+        truncated_at_limit=truncated,
+        duration_s=duration_s,
+        kv_cache={
             "block_size": sizing.block_size,
             "num_gpu_blocks": sizing.num_gpu_blocks,
             "bytes_per_block": sizing.bytes_per_block,
@@ -134,13 +134,6 @@ def simulate(
             "weight_bytes": sizing.weight_bytes,
             "kv_cache_bytes": sizing.kv_cache_bytes,
         },
-        **summarize(
-            requests,
-            steps,
-            duration_s=duration_s,
-            num_usable_blocks=sizing.num_usable_blocks,
-            block_size=sizing.block_size,
-            slos=scenario.slos.model_dump(),
-        ),
-    }
+        num_usable_blocks=sizing.num_usable_blocks,
+    )
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import shutil
+import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager
@@ -44,6 +45,8 @@ POINTS_DIR = "points"
 LOCK_FILE = ".sweep.lock"
 ERROR_SUFFIX = ".error.json"
 MAX_POINTS = 10_000
+RAY_CURRENT_CLUSTER = "/tmp/ray/ray_current_cluster"  # written by `ray start`
+RAY_CONNECT_TIMEOUT_S = 5.0
 
 # results.parquet's metric columns: (column, path in summary.json).
 METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -230,20 +233,91 @@ def sweep_lock(out: Path) -> Iterator[None]:
         yield
 
 
+def check_ray_address(address: str) -> str | None:
+    """What ``ray.init`` gets for ``--ray ADDRESS``: None for ``local`` (a Ray instance
+    started for this sweep), else the address, once something answers there. (``ray.init``
+    itself waits for minutes on an address nobody serves.)"""
+    if address == "local":
+        return None
+    if address == "auto":
+        if not Path(RAY_CURRENT_CLUSTER).is_file():
+            raise KvsimConfigError(
+                "--ray auto: no Ray cluster runs on this machine (start one with "
+                "`ray start --head`, or use --ray local)"
+            )
+        return address
+    host_port = address.removeprefix("ray://")
+    host, sep, port = host_port.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise KvsimConfigError(
+            f"--ray {short_repr(address)}: expected local, auto, HOST:PORT or ray://HOST:PORT"
+        )
+    try:
+        with socket.create_connection((host, int(port)), timeout=RAY_CONNECT_TIMEOUT_S):
+            pass
+    except OSError as exc:
+        raise KvsimConfigError(
+            f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})"
+        ) from None
+    return address
+
+
+def _run_on_ray(
+    plan: SweepPlan,
+    pending: list[Point],
+    address: str,
+    on_point: Callable[[Point, str | None], None] | None,
+) -> None:
+    try:
+        import ray
+    except ImportError:
+        raise KvsimConfigError(
+            "--ray needs Ray, an optional extra: pip install 'kvsim[ray]'"
+        ) from None
+    target = check_ray_address(address)
+    try:
+        ray.init(
+            address=target, logging_level="ERROR", log_to_driver=False, include_dashboard=False
+        )
+    except Exception as exc:  # Ray raises ConnectionError, RuntimeError, ValueError...
+        raise KvsimConfigError(f"--ray {address}: cannot join the Ray cluster ({exc})") from None
+    refs: dict[Any, Point] = {}
+    try:
+        remote = ray.remote(num_cpus=1)(run_point)
+        refs.update({remote.remote(plan.scenario, plan.sets, p, plan.out): p for p in pending})
+        while refs:
+            done, _ = ray.wait(list(refs), num_returns=1)
+            for ref in done:
+                point = refs.pop(ref)
+                error = ray.get(ref)
+                if on_point is not None:
+                    on_point(point, error)
+    finally:
+        for ref in refs:  # interrupted: what has not finished is cancelled
+            ray.cancel(ref, force=True)
+        ray.shutdown()
+
+
 def run_sweep(
     plan: SweepPlan,
     workers: int,
     on_point: Callable[[Point, str | None], None] | None = None,
+    ray_address: str | None = None,
 ) -> pd.DataFrame:
-    """Run the plan's pending points on ``workers`` processes, then write and return the
-    results table. ``on_point(point, error)`` runs in this process as each point finishes."""
+    """Run the plan's pending points on ``workers`` local processes, or on a Ray cluster
+    (``ray_address``: local, auto, HOST:PORT), then write and return the results table.
+    ``on_point(point, error)`` runs in this process as each point finishes. On Ray the sweep
+    folder must be on storage every node sees (one machine, or a shared filesystem), and
+    kvsim installed on every node."""
     if workers < 1:
         raise KvsimConfigError(f"--workers {workers}: must be at least 1")
     with sweep_lock(plan.out):
         for stale in (plan.out / POINTS_DIR).glob(".tmp-*"):  # a killed worker's leftovers
             shutil.rmtree(stale, ignore_errors=True)
         pending = plan.pending()
-        if pending:
+        if pending and ray_address is not None:
+            _run_on_ray(plan, pending, ray_address, on_point)
+        elif pending:
             with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
                 futures: dict[Future[str | None], Point] = {
                     pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p

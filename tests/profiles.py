@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from sim.cost_model import CalibrationProfile, CostParams
+from sim.config.calibration import CalibrationProfile
+from sim.cost_model import CostParams
 
 
 def profile_with(params: CostParams, **fields: Any) -> CalibrationProfile:

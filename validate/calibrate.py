@@ -8,19 +8,16 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from sim.config.calibration import CalibrationProfile
 from sim.config.hardware import Hardware
 from sim.config.model import ModelGeometry
-from sim.cost_model import (
-    CalibrationProfile,
-    CostModel,
-    CostParams,
-    fit_cost_params,
-    steps_since_prefill,
-)
+from sim.cost_model import CostModel, CostParams
 from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run
 from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
+from sim.step_record import shapes_of_steps
+from validate.fit import fit_cost_params, steps_since_prefill
 
 # A step slower than this many times its fitted prediction is a stall, not a batch cost.
 OUTLIER_FACTOR = 2.0
@@ -37,23 +34,7 @@ def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float], list[bool]
     queued, so a gap between steps means the engine sat idle (the first step always does).
     """
     s = run.steps
-    shapes = [
-        BatchShape(
-            num_prefill_tokens=int(p),
-            num_prefill_reqs=int(pr),
-            prefill_attention_pairs=float(pairs),
-            num_decode_reqs=int(d),
-            decode_context_tokens=int(ctx),
-        )
-        for p, pr, pairs, d, ctx in zip(
-            s["num_prefill_tokens"],
-            s["num_prefill_reqs"],
-            s["prefill_attention_pairs"],
-            s["num_decode_tokens"],
-            s["decode_context_tokens"],
-            strict=True,
-        )
-    ]
+    shapes = shapes_of_steps(s)
     start_s = s["start_s"].to_numpy(dtype=float)
     duration_s = s["duration_s"].to_numpy(dtype=float)
     after_idle = np.ones(len(start_s), dtype=bool)

@@ -157,7 +157,7 @@ def validate_cmd(
 ) -> None:
     """Run a scenario on real vLLM and in the simulator; print and save the error table."""
     require_vllm("validate")  # before anything imports it
-    from sim.cost_model import load_cost_params
+    from sim.config.calibration import load_profile
     from sim.scenario import check_runnable, load_scenario
 
     try:
@@ -175,7 +175,7 @@ def validate_cmd(
         spec = load_scenario(scenario)
         check_runnable(spec, str(scenario))
         engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
-        profile = load_cost_params(calibration) if calibration else None
+        profile = load_profile(calibration) if calibration else None
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")
         try:
             out_dir.mkdir(parents=True)  # atomic: a second validate with this --out stops here
@@ -231,7 +231,7 @@ def calibrate_cmd(
     output: Annotated[Path, typer.Option("-o", "--output", help="Profile JSON to write.")],
 ) -> None:
     """Fit the cost model to measured steps; write a calibration profile."""
-    from sim.cost_model import save_profile
+    from sim.config.calibration import save_profile
     from sim.results import check_out_free
     from validate.calibrate import calibrate
 

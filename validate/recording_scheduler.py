@@ -1,47 +1,39 @@
 """A vLLM scheduler that records each step's batch in kvsim's terms.
 
 Installed through vLLM's own extension point (``scheduler_cls``), it runs vLLM's scheduler
-unchanged and, after each ``schedule()``, appends one :class:`StepBatch` to a list the
-replay driver drains: the batch composition the cost model prices, admissions with their
-prefix hits, preemptions, queue lengths and KV usage, computed exactly as kvsim's scheduler
-reports them. It only works with the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``),
-which the replay uses.
+unchanged and, after each ``schedule()``, appends one :class:`RecordedStep` to a list the
+replay driver drains: kvsim's :class:`~sim.scheduler.output.SchedulerOutput` of the step (the
+batch shape from :func:`sim.step_record.batch_shape`, the same classification of prefill vs
+decode as kvsim's scheduler; admissions with their prefix hits, preemptions, queue lengths,
+KV usage) and the KV slots held ahead. It only works with the in-process engine
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``), which the replay uses.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm.v1.core.sched.scheduler import Scheduler
 
+from sim.scheduler.output import SchedulerOutput
+from sim.step_record import batch_shape, kv_unused_slots
 
-@dataclass
-class StepBatch:
-    """What vLLM's scheduler decided in one step."""
 
-    num_prefill_tokens: int = 0
-    num_prefill_reqs: int = 0
-    prefill_attention_pairs: float = 0.0
-    num_decode_reqs: int = 0
-    decode_context_tokens: int = 0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    resumed_prefix_cache_hits: int = 0
-    admitted: list[tuple[str, int]] = field(default_factory=list)  # (request id, hit tokens)
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_cache_usage: float = 0.0
-    num_free_blocks: int = 0
-    kv_unused_slots: int = 0
+@dataclass(frozen=True)
+class RecordedStep:
+    """What vLLM's scheduler decided in one step, in kvsim's types."""
+
+    # ``step`` is 0: the replay numbers the steps it records (warm-up steps are not).
+    output: SchedulerOutput
+    kv_unused_slots: int
 
 
 class RecordingScheduler(Scheduler):
     """vLLM's V1 scheduler, plus a record of every step."""
 
     # The driver swaps in a fresh list per run; one engine per process at a time.
-    records: ClassVar[list[StepBatch]] = []
+    records: ClassVar[list[RecordedStep]] = []
 
     def schedule(self, *args: Any, **kwargs: Any) -> Any:
         was_running = {r.request_id for r in self.running}
@@ -50,34 +42,43 @@ class RecordingScheduler(Scheduler):
             RecordingScheduler.records.append(self._describe(output, was_running))
         return output
 
-    def _describe(self, output: Any, was_running: set[str]) -> StepBatch:
-        batch = StepBatch()
-        for request_id, n in output.num_scheduled_tokens.items():
-            request = self.requests[request_id]
-            context = request.num_computed_tokens - n  # already advanced by schedule()
-            num_tokens = request.num_tokens
-            if n == 1 and context == num_tokens - 1 and request.num_output_tokens:
-                batch.num_decode_reqs += 1
-                batch.decode_context_tokens += context
-            else:
-                batch.num_prefill_reqs += 1
-                batch.num_prefill_tokens += n
-                batch.prefill_attention_pairs += n * (context + n / 2)
-            if request_id not in was_running:  # admitted from the waiting queue this step
-                batch.admitted.append((request_id, context))
-                if request.num_preemptions:
-                    batch.resumed_prefix_cache_hits += context
-                elif self.cache_config.enable_prefix_caching:
-                    batch.prefix_cache_queries += num_tokens
-                    batch.prefix_cache_hits += context
-        batch.num_preemptions = len(output.preempted_req_ids or ())
+    def _describe(self, output: Any, was_running: set[str]) -> RecordedStep:
+        scheduled: dict[str, int] = output.num_scheduled_tokens
+        requests = self.requests
+        admitted_ids: list[str] = []
+        admitted_hit_tokens: list[int] = []
+        num_query_tokens = num_hit_tokens = num_resumed_hit_tokens = 0
+        for request_id, n in scheduled.items():
+            if request_id in was_running:
+                continue
+            # Admitted from the waiting queue this step; schedule() already advanced its
+            # computed tokens by n, so what it started from is its prefix hit.
+            request = requests[request_id]
+            num_hit = request.num_computed_tokens - n
+            admitted_ids.append(request_id)
+            admitted_hit_tokens.append(num_hit)
+            if request.num_preemptions:
+                num_resumed_hit_tokens += num_hit
+            elif self.cache_config.enable_prefix_caching:
+                num_query_tokens += request.num_tokens
+                num_hit_tokens += num_hit
         num_running, num_waiting = self.get_request_counts()
-        batch.num_running, batch.num_waiting = num_running, num_waiting
         kv = self.kv_cache_manager
-        batch.kv_cache_usage = kv.usage
-        batch.num_free_blocks = kv.block_pool.get_num_free_blocks()
-        held = sum(len(kv.get_block_ids(r.request_id)[0]) for r in self.running)
-        batch.kv_unused_slots = held * self.block_size - sum(
-            r.num_computed_tokens for r in self.running
+        step = SchedulerOutput(
+            step=0,
+            num_scheduled_tokens=dict(scheduled),
+            admitted_ids=admitted_ids,
+            admitted_hit_tokens=admitted_hit_tokens,
+            preempted_ids=sorted(output.preempted_req_ids or ()),
+            num_prefix_query_tokens=num_query_tokens,
+            num_prefix_hit_tokens=num_hit_tokens,
+            num_resumed_prefix_hit_tokens=num_resumed_hit_tokens,
+            shape=batch_shape(scheduled, requests, computed_includes_scheduled=True),
+            num_free_blocks=kv.block_pool.get_num_free_blocks(),
+            kv_usage=kv.usage,
+            num_running=num_running,
+            num_waiting=num_waiting,
         )
-        return batch
+        held = sum(len(kv.get_block_ids(r.request_id)[0]) for r in self.running)
+        computed = sum(r.num_computed_tokens for r in self.running)
+        return RecordedStep(step, kv_unused_slots(held, self.block_size, computed))

@@ -26,12 +26,13 @@ import simpy.rt
 from sim.recorder import Recorder
 from sim.request import Request
 from sim.scenario import Scenario
+from sim.step_record import step_record
 from sim.workload import build_workload
 from sim.workload.base import RequestMeta, SinkBase
 from validate.engine_args import engine_kwargs
 
 if TYPE_CHECKING:  # importing it imports vLLM, which kvsim needs only to replay
-    from validate.recording_scheduler import StepBatch
+    from validate.recording_scheduler import RecordedStep
 
 
 @dataclass
@@ -91,7 +92,7 @@ class VllmSink(SinkBase):
 
         env = self._env
         engine = self.engine
-        records: list[StepBatch] = RecordingScheduler.records
+        records: list[RecordedStep] = RecordingScheduler.records
         while True:
             if not engine.has_unfinished_requests():
                 yield self._idle()
@@ -109,8 +110,8 @@ class VllmSink(SinkBase):
             delivered = [self._take_tokens(out) for out in outputs]
             duration_s = time.perf_counter() - started
             end_s = start_s + duration_s
-            for batch in records:
-                self._record_step(batch, start_s, end_s)
+            for recorded in records:
+                self._record_step(recorded, start_s, end_s)
             for request, num_new, finished in delivered:
                 self.recorder.requests[request.request_id].token_times_s.extend([end_s] * num_new)
                 if finished:
@@ -130,31 +131,16 @@ class VllmSink(SinkBase):
             request.num_preemptions = getattr(metrics, "num_preemptions", 0) or 0
         return request, len(new_tokens), bool(out.finished)
 
-    def _record_step(self, batch: StepBatch, start_s: float, end_s: float) -> None:
+    def _record_step(self, recorded: RecordedStep, start_s: float, end_s: float) -> None:
         recorder = self.recorder
-        for request_id, num_hit in batch.admitted:
+        output = recorded.output
+        for request_id, num_hit in zip(
+            output.admitted_ids, output.admitted_hit_tokens, strict=True
+        ):
             recorder.on_admitted(self._external_id.get(request_id, request_id), num_hit, start_s)
-        recorder.add_step(
-            step=len(recorder.steps["step"]) + 1,
-            start_s=start_s,
-            duration_s=end_s - start_s,
-            num_prefill_tokens=batch.num_prefill_tokens,
-            num_decode_tokens=batch.num_decode_reqs,
-            num_prefill_reqs=batch.num_prefill_reqs,
-            decode_context_tokens=batch.decode_context_tokens,
-            prefill_attention_pairs=batch.prefill_attention_pairs,
-            num_requests_running=batch.num_running,
-            num_requests_waiting=batch.num_waiting,
-            kv_cache_usage_perc=batch.kv_cache_usage,
-            num_free_blocks=batch.num_free_blocks,
-            num_preemptions=batch.num_preemptions,
-            prefix_cache_queries=batch.prefix_cache_queries,
-            prefix_cache_hits=batch.prefix_cache_hits,
-            resumed_prefix_cache_hits=batch.resumed_prefix_cache_hits,
-            kv_unused_slots=batch.kv_unused_slots,
-            num_swapped_out_blocks=0,
-            num_swapped_in_blocks=0,
-        )
+        step = len(recorder.steps["step"]) + 1
+        record = step_record(step, output, start_s, end_s, recorded.kv_unused_slots)
+        recorder.add_record(record)
 
 
 def build_engine(scenario: Scenario, device: str, model: str) -> Any:

@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.cost_model import CalibrationProfile, CostParams, load_cost_params
-from sim.metrics import summarize
+from sim.config.calibration import CalibrationProfile, load_profile
+from sim.cost_model import CostParams
 from sim.results import RunData, load_run
 from sim.runner import simulate
 from sim.scenario import Scenario, scenario_to_yaml
+from sim.summary import build_summary
 from validate.calibrate import step_time_ratio
 from validate.compare import ComparisonRow, compare_to_runs, rows_to_records
 from validate.engine_args import resolve_model_dir
@@ -29,41 +30,31 @@ class EngineFailure(RuntimeError):
 
 
 def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]:
-    """summary.json of a measured run (same layout as the simulator's)."""
-    requests = result.recorder.requests_frame()
-    steps = result.recorder.steps_frame()
-    num_finished = int(requests["finish_s"].notna().sum())
-    return {
+    """summary.json of a measured run (:func:`sim.summary.build_summary`, as the simulator's)."""
+    provenance = {
         "source": "vllm",
         "vllm_version": result.vllm_version,
         "device": result.device,
         "served_model": result.model,
-        "scenario": scenario.name,
-        "seed": scenario.seed,
-        "model": scenario.model.name,
         "hardware": result.device,
         "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "default",
         "dtype": result.dtype,
-        "complete": result.error is None,
         "error": result.error,
-        "truncated_at_limit": False,
-        "duration_s": result.duration_s,
-        "num_requests": len(requests),
-        "num_finished": num_finished,
-        "num_unfinished": len(requests) - num_finished,
-        "kv_cache": {
+    }
+    return build_summary(
+        provenance,
+        scenario,
+        result.recorder.requests_frame(),
+        result.recorder.steps_frame(),
+        complete=result.error is None,
+        truncated_at_limit=False,
+        duration_s=result.duration_s,
+        kv_cache={
             "block_size": scenario.engine.block_size,
             "num_gpu_blocks": result.num_gpu_blocks,
         },
-        **summarize(
-            requests,
-            steps,
-            duration_s=result.duration_s,
-            num_usable_blocks=max(result.num_gpu_blocks - 1, 1),
-            block_size=scenario.engine.block_size,
-            slos=scenario.slos.model_dump(),
-        ),
-    }
+        num_usable_blocks=max(result.num_gpu_blocks - 1, 1),
+    )
 
 
 def worker_env(device: str) -> dict[str, str]:
@@ -184,7 +175,7 @@ def build_report(
 ) -> ValidationReport:
     """The simulation against the measured runs (against their median when repeated), with
     each run's step times against the cost parameters the simulation used."""
-    profile = load_cost_params(calibration) if calibration else None
+    profile = load_profile(calibration) if calibration else None
     params = profile.params if profile else CostParams()
     warning = profile.budget_warning(scenario.engine.max_num_batched_tokens) if profile else None
     return ValidationReport(

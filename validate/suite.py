@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from itertools import zip_longest
 from pathlib import Path
 
-from sim.cost_model import CalibrationProfile, save_profile
+from sim.config.calibration import CalibrationProfile, save_profile
 from sim.results import RunData
 from sim.scenario import Scenario
 from validate.calibrate import calibrate

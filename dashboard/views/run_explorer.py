@@ -37,8 +37,6 @@ def _timeline(view: RunView) -> None:
         if view.preemptions.total
         else "no preemptions in this run"
     )
-    if view.num_swapped_blocks == 0:
-        notes.append("swap/offload: no blocks moved (the swap what-if is off)")
     st.caption("; ".join(notes) + ".")
 
 

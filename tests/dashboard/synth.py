@@ -114,8 +114,6 @@ def synthesize_run(
         "prefix_cache_hits": rng.integers(0, 4096, m),
         "resumed_prefix_cache_hits": np.zeros(m, dtype=np.int64),
         "kv_unused_slots": rng.integers(0, 4000, m),
-        "num_swapped_out_blocks": np.zeros(m, dtype=np.int64),
-        "num_swapped_in_blocks": np.zeros(m, dtype=np.int64),
     }
     assert list(steps) == STEP_COLUMNS
     pq.write_table(pa.table(steps), out_dir / "steps.parquet")

@@ -9,13 +9,11 @@ from dashboard import charts
 from dashboard.data import ALL_CLASSES, TIMELINE_COLUMNS
 
 
-def _steps(n: int = 50, swap: bool = False) -> pd.DataFrame:
+def _steps(n: int = 50) -> pd.DataFrame:
     frame = pd.DataFrame({c: np.zeros(n) for c in TIMELINE_COLUMNS})
     frame["start_s"] = np.arange(n) * 0.1
     frame["kv_cache_usage_perc"] = np.linspace(0, 1, n)
     frame["num_requests_running"] = np.arange(n)
-    if swap:
-        frame.loc[10, "num_swapped_out_blocks"] = 4
     return frame
 
 
@@ -36,13 +34,6 @@ def test_timeline_figure() -> None:
     assert list(fig.data[0].y[:2]) == [0.0, 100 / 49]  # percent
     assert list(fig.data[1].customdata) == [1, 2]
     assert _axis_titles(fig) == {"KV cache usage (%)", "requests", "time (s)"}
-
-
-def test_timeline_figure_adds_swap_panel_only_when_blocks_move() -> None:
-    assert len(charts.timeline_figure(_steps()).data) == 3
-    fig = charts.timeline_figure(_steps(swap=True))
-    assert [t.name for t in fig.data][-2:] == ["swap out", "swap in"]
-    assert "blocks per step" in _axis_titles(fig)
 
 
 def test_cdf_figure_in_ms_on_log_axis() -> None:

@@ -158,7 +158,6 @@ def test_run_explorer(runs_env: Path) -> None:
     assert len(_charts(at)) == 7  # timeline, map, strip, 3 CDFs, waterfall
     captions = " ".join(_texts(at.caption))
     assert "steps with preemptions" in captions
-    assert "swap/offload" in captions
     at.select_slider(key="ex-snapshot").set_value(3).run()
     assert not at.exception, at.exception
     assert "t = " in " ".join(_texts(at.caption))

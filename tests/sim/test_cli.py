@@ -12,7 +12,8 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
-from sim.cost_model import CostParams, save_profile
+from sim.config.calibration import save_profile
+from sim.cost_model import CostParams
 from sim.scenario import DEFAULT_SCENARIO
 from tests.profiles import profile_with
 

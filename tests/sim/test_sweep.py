@@ -177,3 +177,50 @@ def test_grid_parsing() -> None:
         parse_grid(["a=1", "a=2"])
     with pytest.raises(KvsimConfigError, match="no --grid given"):
         parse_grid([])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_same_sweep_on_a_local_ray_cluster_gives_the_same_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ray_bin = Path(sys.executable).with_name("ray")
+    port = free_port()
+    # A throwaway cluster on loopback: no token (Ray enables token auth once a token exists
+    # in ~/.ray, which an earlier `--ray local` run leaves behind).
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    monkeypatch.setenv("RAY_USAGE_STATS_ENABLED", "0")
+    env = dict(os.environ)
+    start = [str(ray_bin), "start", "--head", f"--port={port}", "--num-cpus=2"]
+    start += ["--include-dashboard=false", "--disable-usage-stats"]
+    subprocess.run(start, check=True, env=env, capture_output=True, timeout=180)
+    try:
+        code, text = run(*sweep_args(tmp_path / "ray", "--ray", f"127.0.0.1:{port}"))
+        assert code == 0, text
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], env=env, capture_output=True, timeout=180)
+    code, text = run(*sweep_args(tmp_path / "local", "--workers", "2"))
+    assert code == 0, text
+    on_ray = pd.read_parquet(tmp_path / "ray" / RESULTS_FILE).drop(columns="run_dir")
+    local = pd.read_parquet(tmp_path / "local" / RESULTS_FILE).drop(columns="run_dir")
+    pd.testing.assert_frame_equal(on_ray, local)
+
+
+@pytest.mark.parametrize(
+    ("address", "message"),
+    [
+        ("127.0.0.1:1", "--ray 127.0.0.1:1: no Ray cluster answers there"),
+        ("nowhere", "--ray 'nowhere': expected local, auto, HOST:PORT or ray://HOST:PORT"),
+    ],
+)
+def test_an_unreachable_ray_address_is_one_clear_error(
+    tmp_path: Path, address: str, message: str
+) -> None:
+    code, text = run(*sweep_args(tmp_path / "s", "--ray", address))
+    assert code == 2 and message in text and "Traceback" not in text

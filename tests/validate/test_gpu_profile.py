@@ -1,4 +1,5 @@
-"""validate/gpu_profile.py on the CPU: the tiny geometry's measure run, fit, merge, compare.
+"""validate/gpu_measure.py and validate/gpu_profile.py on the CPU: the tiny geometry's measure
+run, fit, merge, compare.
 
 Marked ``vllm`` because the measuring half needs torch, which only the vLLM environment has.
 """
@@ -8,25 +9,31 @@ from __future__ import annotations
 import copy
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sim.config.calibration import load_profile, save_profile
 from sim.config.hardware import resolve_hardware
-from sim.cost_model import CostModel, CostParams, load_cost_params, save_profile
+from sim.cost_model import CostModel, CostParams
 from sim.errors import KvsimConfigError
-from validate.gpu_profile import (
+from validate.gpu_measure import (
     GEOMETRIES,
-    MERGE_MARGIN,
     RAW_FORMAT,
+    DecoderStack,
     _grid_points,
     batch_shape_fields,
+    measure,
+)
+from validate.gpu_profile import (
+    MERGE_MARGIN,
     compare_rows,
     fit_profile,
     load_raw,
     main,
-    measure,
     merge_raws,
     raw_shapes,
     regime_summary,
@@ -107,8 +114,6 @@ def test_batch_shape_fields_count_pairs_and_decode_context_like_the_scheduler() 
 
 def test_grid_skips_points_the_kv_pool_cannot_hold(tmp_path: Path, torch: Any) -> None:
     # A KV pool of 1 MiB of tiny KV (512 B/token) holds 2048 tokens: 16 decodes at 256 do not fit.
-    from validate.gpu_profile import DecoderStack
-
     stack = DecoderStack(torch, GEOMETRIES["tiny"], torch.device("cpu"), 2048, 16)
     point = {
         "num_prefill_reqs": 0,
@@ -169,8 +174,6 @@ def _naive_attention(torch: Any, stack: Any, batch: dict[str, Any], q: Any) -> A
 def test_sdpa_attention_matches_a_naive_reference(
     point: tuple[int, ...], split_mode: str, torch: Any
 ) -> None:
-    from validate.gpu_profile import DecoderStack
-
     g = GEOMETRIES["tiny"]
     stack = DecoderStack(torch, g, torch.device("cpu"), 8192, 16)
     stack.split_mode = split_mode
@@ -197,8 +200,6 @@ def test_sdpa_attention_matches_a_naive_reference(
 
 
 def test_auto_split_only_splits_few_decodes_at_long_context(torch: Any) -> None:
-    from validate.gpu_profile import DecoderStack
-
     stack = DecoderStack(
         torch,
         GEOMETRIES["llama-3.1-8b"]
@@ -240,7 +241,7 @@ def test_fit_writes_a_loadable_profile(tiny_raw: Path, tmp_path: Path, torch: An
     profile = fit_profile(raw, "H200-141GB", "test")
     path = tmp_path / "profile.json"
     save_profile(profile, path)
-    loaded = load_cost_params(path)
+    loaded = load_profile(path)
     assert loaded == profile
     assert loaded.source == "torch-kernels"
     assert loaded.model == "tiny-torch"
@@ -372,13 +373,39 @@ def test_cli_errors_exit_2_without_a_traceback(
     assert not out.exists()
 
 
+def test_the_measuring_script_runs_alone_without_kvsim(tmp_path: Path) -> None:
+    """gpu_measure.py copied alone (what goes onto a GPU box) runs, imports nothing of kvsim
+    and writes its errors as one line, exit status 2."""
+    script = tmp_path / "gpu_measure.py"
+    script.write_text(
+        (Path(__file__).resolve().parents[2] / "validate" / "gpu_measure.py").read_text()
+    )
+    probe = (
+        "import runpy, sys\n"
+        f"sys.argv = [{str(script)!r}, '--out', 'x.json', '--device', 'tpu']\n"
+        "try:\n"
+        f"    runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "except SystemExit as exc:\n"
+        "    code = exc.code\n"
+        "names = {m.split('.')[0] for m in sys.modules}\n"
+        "kvsim = sorted(names & {'sim', 'validate', 'dashboard'})\n"
+        "print('exit', code, 'kvsim', kvsim)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True
+    )
+    assert done.stdout.strip() == "exit 2 kvsim []"
+    assert done.stderr == "error: --device 'tpu' must be 'cuda' or 'cpu'\n"
+    assert not (tmp_path / "x.json").exists()
+
+
 def test_cli_fit_and_compare(
     tiny_raw: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     profile = tmp_path / "p.json"
     assert main(["fit", str(tiny_raw), "-o", str(profile)]) == 0
     assert "fitted 15 steps of tiny-torch" in capsys.readouterr().out
-    assert load_cost_params(profile).num_steps == 15
+    assert load_profile(profile).num_steps == 15
     assert main(["compare", str(tiny_raw), "--profile", str(profile), "--markdown"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("| regime | point | measured ms | roofline ms | roofline err |")
@@ -389,7 +416,7 @@ def test_cli_fit_and_compare(
 
 def test_the_committed_h200_profile_loads_and_matches_its_raw_file() -> None:
     root = Path(__file__).resolve().parents[2] / "validate" / "profiles"
-    profile = load_cost_params(root / "h200-llama-3.1-8b.json")
+    profile = load_profile(root / "h200-llama-3.1-8b.json")
     raw = load_raw(root / "h200-llama-3.1-8b.raw.json")
     assert (profile.hardware, profile.model, profile.source) == (
         "NVIDIA H200",

@@ -5,13 +5,16 @@ from __future__ import annotations
 import ctypes.util
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
-from sim.cost_model import save_profile
+from sim.config.calibration import save_profile
+from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
-from validate.runner import build_report, run_sim, worker_env
+from validate.replay import ReplayResult
+from validate.runner import build_report, measured_summary, run_sim, worker_env
 
 
 def test_cpu_replays_preload_tcmalloc_when_the_machine_has_it(
@@ -45,3 +48,60 @@ def test_the_report_names_a_token_budget_the_profile_was_not_fitted_at(tmp_path:
         warnings = build_report(spec, sim, [real], tmp_path / "profile.json").to_json()["warnings"]
         assert warnings == ([profile.budget_warning(budget)] if warned else [])
     assert "engine.max_num_batched_tokens=384 was not calibrated" in warnings[0]
+
+
+class RecordedTables:
+    """The tables a replay's recorder hands over, here taken from a simulated run."""
+
+    def __init__(self, requests: pd.DataFrame, steps: pd.DataFrame) -> None:
+        self.requests, self.steps = requests, steps
+
+    def requests_frame(self) -> pd.DataFrame:
+        return self.requests
+
+    def steps_frame(self) -> pd.DataFrame:
+        return self.steps
+
+
+@pytest.mark.parametrize("error", [None, "vLLM engine step failed: RuntimeError: boom"])
+def test_measured_and_simulated_summaries_come_from_one_builder(
+    error: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LD_PRELOAD", "libtcmalloc_minimal.so.4")
+    spec = load_scenario(
+        SCENARIO_DIR / "validation" / "agentic-multiturn.yaml",
+        ["workload.sessions=3", "workload.turns.value=2"],
+    )
+    sim = simulate(spec)
+    tables = RecordedTables(sim.requests, sim.steps)
+    result = ReplayResult(
+        tables,  # type: ignore[arg-type]
+        error,
+        sim.summary["duration_s"],
+        "0.32.0",
+        "cpu",
+        "tiny",
+        sim.sizing.num_gpu_blocks,
+    )
+    measured = measured_summary(spec, result)
+    provenance = {
+        "source": "vllm",
+        "vllm_version": "0.32.0",
+        "device": "cpu",
+        "served_model": "tiny",
+        "hardware": "cpu",
+        "allocator": "tcmalloc",
+        "error": error,
+    }
+    assert {k: measured[k] for k in provenance} == provenance
+    assert measured["complete"] is (error is None)
+    assert measured["kv_cache"] == {
+        "block_size": spec.engine.block_size,
+        "num_gpu_blocks": sim.sizing.num_gpu_blocks,
+    }
+    # Same records, same counts and metrics, whichever side ran them.
+    sim_only = {"source", "kvsim_version", "hardware", "calibration", "complete", "kv_cache"}
+    shared = set(sim.summary) - sim_only
+    assert set(measured) == shared | set(provenance) | {"complete", "kv_cache"}
+    assert {k: measured[k] for k in shared} == {k: sim.summary[k] for k in shared}
+    assert sim.summary["num_requests"] == 6

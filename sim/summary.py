@@ -1,0 +1,58 @@
+"""``summary.json`` of a run: one builder for simulated and measured runs.
+
+The simulator (``sim/runner.py``) and the real-vLLM replay (``validate/runner.py``) differ only
+in who produced the run (``provenance``: source, versions, hardware, calibration or allocator,
+error) and how its KV cache was sized; the counts and every metric come from here, so a new
+metric lands in both at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import pandas as pd
+
+from sim.metrics import summarize
+from sim.scenario import Scenario
+
+
+def build_summary(
+    provenance: Mapping[str, Any],
+    scenario: Scenario,
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    *,
+    complete: bool,
+    truncated_at_limit: bool,
+    duration_s: float,
+    kv_cache: Mapping[str, Any],
+    num_usable_blocks: int,
+) -> dict[str, Any]:
+    """The summary of a run of ``scenario`` over ``duration_s`` seconds.
+
+    ``kv_cache`` is written as is and must hold ``block_size``; ``num_usable_blocks`` (the
+    null block excluded) is what KV usage is a share of.
+    """
+    num_finished = int(requests["finish_s"].notna().sum())
+    return {
+        **provenance,
+        "scenario": scenario.name,
+        "seed": scenario.seed,
+        "model": scenario.model.name,
+        "complete": complete,
+        "truncated_at_limit": truncated_at_limit,
+        "duration_s": duration_s,
+        "num_requests": len(requests),
+        "num_finished": num_finished,
+        "num_unfinished": len(requests) - num_finished,
+        "kv_cache": dict(kv_cache),
+        **summarize(
+            requests,
+            steps,
+            duration_s=duration_s,
+            num_usable_blocks=num_usable_blocks,
+            block_size=kv_cache["block_size"],
+            slos=scenario.slos.model_dump(),
+        ),
+    }

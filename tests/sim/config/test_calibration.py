@@ -1,0 +1,120 @@
+"""Calibration profiles: schema, save/load, and loading files written before the split."""
+
+import json
+
+import pytest
+
+from sim.config.calibration import CalibrationProfile, load_profile, save_profile
+from sim.cost_model import CostParams
+from sim.errors import KvsimConfigError
+
+TRUE_PARAMS = CostParams(
+    mode="additive",
+    compute_efficiency=0.55,
+    attention_compute_efficiency=0.35,
+    bandwidth_efficiency=0.75,
+    step_overhead_s=2e-3,
+    per_token_overhead_s=0.0,
+    per_request_overhead_s=2e-5,
+    prefill_step_overhead_s=4e-4,
+    idle_wakeup_s=3e-3,
+    post_prefill_decode_s=8e-4,
+    allreduce_latency_s=0.0,
+)
+
+
+def make_profile() -> CalibrationProfile:
+    return CalibrationProfile(
+        params=TRUE_PARAMS,
+        hardware="H100-SXM-80GB",
+        model="Llama-3.1-8B",
+        vllm_version="0.33.0",
+        fit={"r2": 0.98, "mape": 4.2, "max_abs_pct_error": 17.0},
+        num_steps=1234,
+        created_by="kvsim calibrate runs/h100",
+    )
+
+
+def test_profile_save_load_roundtrip(tmp_path):
+    path = tmp_path / "profile.json"
+    save_profile(make_profile(), path)
+    assert load_profile(path) == make_profile()
+
+
+def test_budget_warning_names_the_field_and_the_calibrated_budgets():
+    old = make_profile()  # written before profiles recorded their budgets: no claim either way
+    assert old.max_num_batched_tokens == [] and old.budget_warning(384) is None
+    profile = old.model_copy(update={"max_num_batched_tokens": [512, 2048]})
+    assert profile.budget_warning(512) is None and profile.budget_warning(2048) is None
+    warning = profile.budget_warning(384)
+    assert warning is not None
+    assert "engine.max_num_batched_tokens=384" in warning and "512, 2048" in warning
+
+
+def test_malformed_profile_names_file_and_field(tmp_path):
+    raw = json.loads(make_profile().model_dump_json())
+    path = tmp_path / "bad.json"
+
+    raw["params"]["compute_eff"] = 0.5
+    path.write_text(json.dumps(raw))
+    with pytest.raises(KvsimConfigError, match=r"bad\.json: params\.compute_eff"):
+        load_profile(path)
+
+    raw["params"].pop("compute_eff")
+    raw["num_steps"] = "many"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(KvsimConfigError, match=r"bad\.json: num_steps = 'many'"):
+        load_profile(path)
+
+    path.write_text("{not json")
+    with pytest.raises(KvsimConfigError, match=r"bad\.json"):
+        load_profile(path)
+
+
+# A profile as `kvsim calibrate` wrote it before profiles recorded their token budgets (and
+# before the schema moved out of sim/cost_model.py): still loads, with no budget claim and
+# the defaults of the fields added since (source 'vllm', no environment, no measurements).
+PROFILE_WITHOUT_BUDGETS = """{
+  "params": {
+    "mode": "additive",
+    "compute_efficiency": 0.0312,
+    "attention_compute_efficiency": 0.0071,
+    "bandwidth_efficiency": 0.118,
+    "step_overhead_s": 0.00171,
+    "per_token_overhead_s": 0.0,
+    "per_request_overhead_s": 6.1e-05,
+    "prefill_step_overhead_s": 0.0035,
+    "idle_wakeup_s": 0.0016,
+    "post_prefill_decode_s": 0.00088,
+    "allreduce_latency_s": 0.0,
+    "kv_transfer_efficiency": 0.8
+  },
+  "hardware": "cpu",
+  "model": "tiny-llama",
+  "vllm_version": "0.32.0",
+  "tensor_parallel_size": 1,
+  "fit": {"r2": 0.97, "mape": 5.1, "max_abs_pct_error": 31.0, "outlier_frac": 0.002},
+  "num_steps": 5210,
+  "created_by": "kvsim calibrate runs/cal-prefill-sweep runs/cal-decode-sweep"
+}
+"""
+
+
+def test_profiles_written_by_earlier_versions_still_load(tmp_path):
+    path = tmp_path / "old.json"
+    path.write_text(PROFILE_WITHOUT_BUDGETS)
+    profile = load_profile(path)
+    assert profile.max_num_batched_tokens == []
+    assert profile.params.post_prefill_decode_s == 0.00088
+    assert profile.num_steps == 5210
+    assert profile.budget_warning(512) is None
+    assert profile.source == "vllm" and profile.environment == profile.device_measurements == {}
+    saved = tmp_path / "saved.json"
+    save_profile(profile, saved)
+    assert json.loads(saved.read_text()) == {
+        **json.loads(PROFILE_WITHOUT_BUDGETS),
+        "max_num_batched_tokens": [],
+        "source": "vllm",
+        "environment": {},
+        "device_measurements": {},
+    }

@@ -1,0 +1,161 @@
+"""Fit the cost model's parameters to measured steps: non-negative least squares over the
+terms of :data:`sim.cost_model.COST_TERMS`.
+
+The regressors are :meth:`CostModel.features` by term name; each fitted coefficient becomes
+the parameter of its term through :meth:`CostTerm.param_value`, so adding a term to the cost
+model adds it here without any column positions to keep in step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from sim.config.hardware import Hardware
+from sim.config.model import ModelGeometry
+from sim.cost_model import COST_TERMS, CostModel, CostParams
+from sim.scheduler.output import BatchShape
+
+# The terms fit_cost_params regresses on; the others' parameters come out 0.
+FITTED_TERMS = tuple(term for term in COST_TERMS if term.fitted)
+# A zero coefficient means the term costs nothing measurable; cap the efficiency it maps to.
+_MIN_INVERSE_EFFICIENCY = 1e-6
+
+
+def steps_since_prefill(shapes: Sequence[BatchShape]) -> list[int]:
+    """For each step of one engine's run, in order: 0 if it computes a prefill chunk (or no
+    step before it did), else how many steps it is past the last one that did (1 = the next).
+
+    What the engine loop counts as it goes, for runs measured elsewhere. Idle time between
+    steps does not reset the count.
+    """
+    counts: list[int] = []
+    seen_prefill, since = False, 0
+    for shape in shapes:
+        if shape.num_prefill_reqs:
+            seen_prefill, since = True, 0
+        elif seen_prefill:
+            since += 1
+        counts.append(since)
+    return counts
+
+
+def fit_cost_params(
+    shapes: Sequence[BatchShape],
+    durations_s: Sequence[float],
+    model: ModelGeometry,
+    hardware: Hardware,
+    tensor_parallel_size: int = 1,
+    base: CostParams | None = None,
+    relative: bool = False,
+    weights: Sequence[float] | None = None,
+    after_idle: Sequence[bool] | None = None,
+    since_prefill: Sequence[int] | None = None,
+) -> tuple[CostParams, dict[str, float]]:
+    """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
+
+    With ``relative`` the squared *relative* error is minimised (each step weighted by one
+    over its duration), so millisecond decode steps count as much as long prefills; ITL and
+    TTFT percentiles are relative quantities. ``weights`` (one per step) scale each step's
+    squared error on top of that. ``after_idle`` (one per step) marks the steps that followed
+    an idle engine; without it no step did and ``idle_wakeup_s`` comes out 0.
+    ``since_prefill`` (one per step, from :func:`steps_since_prefill` on each run) places the
+    decode steps after a prefill; without it ``post_prefill_decode_s`` comes out 0.
+
+    Regresses duration minus the all-reduce transfer time on the features of
+    :data:`FITTED_TERMS`; efficiencies are the inverse coefficients. The additive form
+    (compute + memory, not their max) is what a linear fit can express. Not fitted: the
+    all-reduce transfer (proportional to T like the linear FLOPs) stays at the datasheet link
+    bandwidth; the unfitted terms' parameters (``per_token_overhead_s``) are 0;
+    ``allreduce_latency_s`` is 0 because a fixed number of all-reduces per step is folded into
+    ``step_overhead_s``; ``kv_transfer_efficiency`` comes from ``base``. Empty steps are
+    skipped. Fit quality: r2, mape and max_abs_pct_error (in percent), rmse_s, num_steps.
+    """
+    num_steps = len(shapes)
+    for name, values in (
+        ("durations", durations_s),
+        ("weights", weights),
+        ("after_idle", after_idle),
+        ("since_prefill", since_prefill),
+    ):
+        if values is not None and len(values) != num_steps:
+            raise ValueError(f"{num_steps} shapes but {len(values)} {name}")
+    base = base if base is not None else CostParams()
+    probe = CostModel(model, hardware, tensor_parallel_size, base)
+    idle = [False] * num_steps if after_idle is None else [bool(a) for a in after_idle]
+    since = [0] * num_steps if since_prefill is None else [int(n) for n in since_prefill]
+    step_weights = np.ones(num_steps) if weights is None else np.asarray(weights, dtype=float)
+    used_idx = [i for i, s in enumerate(shapes) if s.num_tokens > 0]
+    used = [(shapes[i], idle[i], since[i]) for i in used_idx]
+    measured_s = np.array([float(durations_s[i]) for i in used_idx])
+    used_weights = step_weights[used_idx]
+    for i, duration_s in zip(used_idx, measured_s, strict=True):
+        if not duration_s > 0 or not np.isfinite(duration_s):
+            raise ValueError(f"non-empty step {i} has duration_s={duration_s}; must be > 0")
+    if len(used) < len(FITTED_TERMS):
+        raise ValueError(f"{len(used)} non-empty steps cannot fit {len(FITTED_TERMS)} coefficients")
+    features = [probe.features(*step) for step in used]
+    x = np.array([[f[term.name] for term in FITTED_TERMS] for f in features])
+    # Only the all-reduce transfer is subtracted; its latency stays in, to land in the intercept.
+    target_s = measured_s - np.array([probe.allreduce_transfer_time_s(s) for s, _, _ in used])
+    # Least squares weights rows by the square root of the wanted loss weight.
+    row_weights = np.sqrt(used_weights) / (measured_s if relative else 1.0)
+    coefficients = _nnls(x * row_weights[:, None], target_s * row_weights)
+    fitted_fields: dict[str, object] = {"mode": "additive", "allreduce_latency_s": 0.0}
+    for term in COST_TERMS:
+        fitted_fields[term.param] = 0.0
+    for term, coefficient in zip(FITTED_TERMS, coefficients, strict=True):
+        if term.efficiency:
+            coefficient = max(coefficient, _MIN_INVERSE_EFFICIENCY)
+        fitted_fields[term.param] = term.param_value(coefficient)
+    # model_validate, not model_copy: the fitted values get the same checks as user input.
+    params = CostParams.model_validate(base.model_dump() | fitted_fields)
+    fitted = CostModel(model, hardware, tensor_parallel_size, params)
+    predicted_s = np.array([fitted.step_time_s(*step) for step in used])
+    residual_s = measured_s - predicted_s
+    ss_res = float(residual_s @ residual_s)
+    ss_tot = float(((measured_s - measured_s.mean()) ** 2).sum())
+    pct_error = 100.0 * np.abs(residual_s) / measured_s
+    quality = {
+        "r2": 1.0 - ss_res / ss_tot if ss_tot > 0 else float(ss_res == 0.0),
+        "mape": float(pct_error.mean()),
+        "max_abs_pct_error": float(pct_error.max()),
+        "rmse_s": float(np.sqrt(ss_res / len(used))),
+        "num_steps": float(len(used)),
+    }
+    return params, quality
+
+
+def _nnls(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """Lawson-Hanson active set: argmin ||a x - b|| subject to x >= 0."""
+    num_cols = a.shape[1]
+    # Columns span ~1e-3 s to ~1e4 tokens; unit-norm columns keep lstsq well conditioned.
+    scale = np.linalg.norm(a, axis=0)
+    usable = scale > 0
+    scale[~usable] = 1.0
+    a = a / scale
+    x = np.zeros(num_cols)
+    passive = np.zeros(num_cols, dtype=bool)
+    tol = 1e-12 * max(1.0, float(np.linalg.norm(b)))
+    for _ in range(3 * num_cols):
+        gradient = a.T @ (b - a @ x)
+        candidates = usable & ~passive & (gradient > tol)
+        if not candidates.any():
+            break
+        passive[int(np.argmax(np.where(candidates, gradient, -np.inf)))] = True
+        while True:
+            trial = np.zeros(num_cols)
+            trial[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if (trial[passive] > 0).all():
+                x = trial
+                break
+            # Step from x towards trial until the first passive coefficient reaches 0, drop it.
+            blocking = passive & (trial <= 0)
+            denominator = x[blocking] - trial[blocking]
+            ratios = np.where(denominator > 0, x[blocking] / np.maximum(denominator, 1e-300), 0)
+            x = x + float(ratios.min()) * (trial - x)
+            passive[np.flatnonzero(blocking)[int(np.argmin(ratios))]] = False
+            passive &= x > 0
+            x[~passive] = 0.0
+    return x / scale
