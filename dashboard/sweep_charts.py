@@ -1,0 +1,80 @@
+"""Plotly figures of the Sweeps page: pure functions of the shaped tables (no Streamlit)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import plotly.graph_objects as go
+
+from dashboard.sweep_data import THROUGHPUT, Heatmap
+
+FRONT_COLOR = "#d62728"
+OTHER_COLOR = "#9e9e9e"
+
+
+def _axis(values: pd.Index) -> list[str]:
+    return [str(v) for v in values]  # categorical: grid values are not evenly spaced
+
+
+def heatmap_figure(hm: Heatmap, metric_label: str) -> go.Figure:
+    """The metric per cell, each cell labelled (value, ``FAIL``, ``failed``); a cell with
+    no ok point is blank."""
+    fig = go.Figure(
+        go.Heatmap(
+            z=hm.z.to_numpy(),
+            x=_axis(hm.z.columns),
+            y=_axis(hm.z.index),
+            text=hm.labels.to_numpy(),
+            texttemplate="%{text}",
+            colorscale="Viridis",
+            colorbar={"title": metric_label},
+            hovertemplate=f"{hm.z.columns.name}=%{{x}}<br>{hm.z.index.name}=%{{y}}<br>"
+            f"{metric_label}: %{{text}}<extra></extra>",
+        )
+    )
+    fig.update_layout(height=420, margin={"l": 70, "r": 40, "t": 30, "b": 50})
+    fig.update_xaxes(title=hm.z.columns.name, type="category")
+    fig.update_yaxes(title=hm.z.index.name, type="category")
+    return fig
+
+
+def line_figure(points: pd.DataFrame, knob: str, metric: str, metric_label: str) -> go.Figure:
+    """One knob's sweep: the metric of its ok points against the knob's values."""
+    ok = points[points["status"] == "ok"].sort_values(knob)
+    fig = go.Figure(
+        go.Scatter(
+            x=ok[knob].astype(str), y=ok[metric], mode="lines+markers", text=ok["point"],
+            hovertemplate="%{text}: %{y}<extra></extra>",
+        )
+    )  # fmt: skip
+    fig.update_layout(height=380, margin={"l": 70, "r": 40, "t": 30, "b": 50})
+    fig.update_xaxes(title=knob, type="category")
+    fig.update_yaxes(title=metric_label)
+    return fig
+
+
+def pareto_figure(points: pd.DataFrame, latency: str, label: str, front: list[str]) -> go.Figure:
+    """Output throughput vs a p99 latency of the passing points; the front highlighted."""
+    on = points["point"].isin(front)
+    fig = go.Figure()
+    for mask, name, color in (
+        (~on, "other points", OTHER_COLOR),
+        (on, "Pareto front", FRONT_COLOR),
+    ):
+        part = points[mask]
+        if name == "Pareto front":
+            part = part.set_index("point").loc[front].reset_index()
+        fig.add_trace(
+            go.Scatter(
+                x=part[latency], y=part[THROUGHPUT], text=part["point"], name=name,
+                mode="lines+markers" if name == "Pareto front" else "markers",
+                marker={"color": color, "size": 10}, line={"shape": "hv"},
+                hovertemplate="%{text}: %{x:.4g} s, %{y:.4g} tok/s<extra></extra>",
+            )
+        )  # fmt: skip
+    fig.update_layout(
+        height=380, margin={"l": 70, "r": 40, "t": 30, "b": 50},
+        legend={"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
+    )  # fmt: skip
+    fig.update_xaxes(title=label)
+    fig.update_yaxes(title="output throughput (tok/s)")
+    return fig
