@@ -21,6 +21,22 @@ from rich.table import Table
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
 
+EXPORT_FORMAT_HELP = "Also export the chosen config: vllm-args, vllm-yaml or triton."
+
+
+def check_export_options(export_format: str | None, export_out: Path | None) -> None:
+    """``--export-format`` and ``--export-out`` (of tune and capacity) before any work."""
+    from sim.export import FORMATS
+
+    if (export_format is None) != (export_out is None):
+        raise KvsimConfigError("--export-format and --export-out go together")
+    if export_format is not None and export_format not in FORMATS:
+        raise KvsimConfigError(
+            f"--export-format {export_format!r}: expected one of {', '.join(FORMATS)}"
+        )
+    if export_out is not None and export_out.exists():
+        raise FileExistsError(f"--export-out {export_out}: already exists; kvsim never overwrites")
+
 
 def export_cmd(
     source: Annotated[
@@ -170,9 +186,12 @@ def capacity(
     out: Annotated[
         Path | None, typer.Option(help="Write capacity.json (answer and curve) here.")
     ] = None,
+    export_format: Annotated[str | None, typer.Option(help=EXPORT_FORMAT_HELP)] = None,
+    export_out: Annotated[Path | None, typer.Option(help="Where --export-format writes.")] = None,
 ) -> None:
     """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
     from sim.capacity import Knob, default_knob, find_capacity
+    from sim.export import export
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
 
@@ -190,6 +209,7 @@ def capacity(
             the_knob = Knob(knob, False, knob, 1e-9, 1e9)
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
+        check_export_options(export_format, export_out)
 
         def progress(point: object) -> None:
             p = point  # a sim.capacity.LoadPoint
@@ -205,13 +225,13 @@ def capacity(
                    "tok/s", "preempt", "peak sessions"):  # fmt: skip
         table.add_column(column, justify="right")
 
-    def ms(value: float | None) -> str:
+    def secs(value: float | None) -> str:
         return "-" if value is None else f"{value:.3g}"
 
     for p in result.curve:
         table.add_row(
-            f"{p.load:g}", "yes" if p.holds else "[red]no[/red]", ms(p.ttft_p50_s),
-            ms(p.ttft_p99_s), ms(p.itl_p99_s), ms(p.e2e_p99_s),
+            f"{p.load:g}", "yes" if p.holds else "[red]no[/red]", secs(p.ttft_p50_s),
+            secs(p.ttft_p99_s), secs(p.itl_p99_s), secs(p.e2e_p99_s),
             "-" if p.output_throughput_tok_s is None else f"{p.output_throughput_tok_s:,.0f}",
             str(p.preemptions), str(p.peak_concurrent_sessions),
         )  # fmt: skip
@@ -233,6 +253,10 @@ def capacity(
         document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **result.to_json()}
         (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
         console.print(f"written to {out / 'capacity.json'}", highlight=False)
+    if export_format is not None and export_out is not None:
+        # The deployment is the scenario's own engine config; only the load was searched.
+        for file in export(spec, export_format, export_out):
+            console.print(f"wrote {file}", highlight=False)
 
 
 def tune_cmd(
@@ -263,7 +287,7 @@ def tune_cmd(
     export_out: Annotated[Path | None, typer.Option(help="Where --export-format writes.")] = None,
 ) -> None:
     """Search vLLM's engine knobs (Optuna) for the best config under the SLOs."""
-    from sim.export import FORMATS, export
+    from sim.export import export
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario, parse_scenario
     from sim.tune import OBJECTIVES, tune
@@ -280,15 +304,9 @@ def tune_cmd(
             raise KvsimConfigError(
                 f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}"
             )
-        if (export_format is None) != (export_out is None):
-            raise KvsimConfigError("--export-format and --export-out go together")
-        if export_format is not None and export_format not in FORMATS:
-            raise KvsimConfigError(
-                f"--export-format {export_format!r}: expected one of {', '.join(FORMATS)}"
-            )
-        for path, option in ((out, "--out"), (export_out, "--export-out")):
-            if path is not None and path.exists():
-                raise FileExistsError(f"{option} {path}: already exists; kvsim never overwrites")
+        check_export_options(export_format, export_out)
+        if out is not None and out.exists():
+            raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
         if gpu_hour_usd <= 0:
             raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be positive")
         spec = load_scenario(source, [*(set_ or []), *(f"slos.{b}" for b in slo or [])])

@@ -113,6 +113,18 @@ def test_cli_finds_the_capacity_and_writes_the_curve(tmp_path: Path) -> None:
     assert f"capacity: {capacity:g} concurrent sessions" in " ".join(result.output.split())
 
 
+def test_cli_exports_the_deployment_it_sized(tmp_path: Path) -> None:
+    serve = tmp_path / "serve.sh"
+    result = runner.invoke(
+        app,
+        ["capacity", str(BURST), "--set", "workload.sessions=4", "--set", "workload.turns.value=2",
+         "--set", "engine.max_num_seqs=64", "--slo", "ttft_p99_s=0.25",
+         "--export-format", "vllm-args", "--export-out", str(serve)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert "--max-num-seqs 64" in serve.read_text()
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -120,6 +132,8 @@ def test_cli_finds_the_capacity_and_writes_the_curve(tmp_path: Path) -> None:
         (["--slo", "ttft_p99_s=0.000001", "--set", "workload.sessions=2"],
          "the SLOs hold at no load tried"),
         (["--set", "slos.ttft_p99_s=null", "--set", "slos.e2e_p99_s=null"], "no SLO to hold"),
+        (["--export-format", "helm", "--export-out", "x"], "--export-format 'helm': expected"),
+        (["--export-out", "x"], "--export-format and --export-out go together"),
     ],
 )  # fmt: skip
 def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:
