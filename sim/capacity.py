@@ -4,7 +4,9 @@ The load is one workload field (the *knob*): the number of agent sessions when t
 start at once (that many agents at the same time), the session arrival rate when sessions
 arrive over time, the request rate of open-loop traffic (the request count for a burst).
 A load *holds* when every request finished within the run's time limit and every SLO
-(the scenario's ``slos``, overridable) passes. From the scenario's own load the search
+(the scenario's ``slos``, overridable) passes. A rate below the scenario's own gets its
+time limit stretched in proportion (the same arrivals take longer to arrive), so a light
+load is not cut off unfinished. From the scenario's own load the search
 doubles (or halves) until it brackets the edge, then bisects to one session or 2% of a
 rate. Every simulation is a point of the curve it returns (latency percentiles vs load),
 with the knee of the p99 TTFT curve.
@@ -17,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from sim.config.limits import MAX_SECONDS
 from sim.errors import KvsimConfigError
 from sim.scenario import Scenario, check_runnable, parse_scenario
 from sim.workload.agent_sessions import AgentSessionsWorkload
@@ -87,7 +90,24 @@ def _set(document: dict[str, Any], path: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
-def default_knob(scenario: Scenario) -> Knob:
+def knob_for(scenario: Scenario, field: str) -> Knob:
+    """The knob ``--knob FIELD`` names: the default one when it is that field, else a knob
+    whose type follows the field's current value (an integer stays an integer)."""
+    default = default_knob(scenario, strict=False)
+    if default is not None and default.field == field:
+        return default
+    try:
+        value = _get(scenario.model_dump(mode="json"), field)
+    except (KeyError, TypeError):
+        raise KvsimConfigError(f"--knob {field}: not a field of this scenario") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise KvsimConfigError(f"--knob {field}: {value!r} is not a number to search over")
+    if isinstance(value, int):
+        return Knob(field, True, field, 1, 1_000_000)
+    return Knob(field, False, field, 1e-6, 1e6)
+
+
+def default_knob(scenario: Scenario, strict: bool = True) -> Knob | None:
     """The load field of the scenario's workload (see the module docstring)."""
     w = scenario.workload
     if isinstance(w, AgentSessionsWorkload):
@@ -98,9 +118,11 @@ def default_knob(scenario: Scenario) -> Knob:
         if isinstance(w.arrival, BurstArrivals):
             return Knob("workload.num_requests", True, "requests at once", 1, 1_000_000)
         return Knob("workload.arrival.rate_per_s", False, "requests/s", 1e-6, 1e6)
+    if not strict:
+        return None
     raise KvsimConfigError(
         f"scenario {scenario.name!r}: a {w.kind} workload has no load knob kvsim can turn; "
-        "capacity needs agent sessions or open-loop traffic"
+        "capacity needs agent sessions or open-loop traffic (or --knob FIELD)"
     )
 
 
@@ -110,8 +132,13 @@ def load_point(load: float, summary: dict[str, Any]) -> LoadPoint:
     def pct(name: str, q: str) -> float | None:
         return (metrics.get(name) or {}).get(q)
 
-    failed = [f"{name} {v['value']:.4g} > {v['target']:g}" for name, v in summary["slos"].items()
-              if not v["pass"]]  # fmt: skip
+    failed = [
+        f"{name} {v['value']:.4g} > {v['target']:g}"
+        if v["value"] is not None
+        else f"{name}: no value (no request got that far)"
+        for name, v in summary["slos"].items()
+        if not v["pass"]
+    ]
     unfinished = summary["num_requests"] - summary["num_finished"]
     if unfinished:
         failed.append(f"{unfinished} of {summary['num_requests']} requests unfinished at the limit")
@@ -159,12 +186,14 @@ def find_capacity(
     kvsim's simulator). Raises KvsimConfigError when even the lightest load tried fails,
     naming the bounds it missed."""
     knob = knob or default_knob(scenario)
+    assert knob is not None  # default_knob is strict here
     document = scenario.model_dump(mode="json")
     try:
         start = float(_get(document, knob.field))
     except (KeyError, TypeError):
         raise KvsimConfigError(f"--knob {knob.field}: not a field of this scenario") from None
     points: dict[float, LoadPoint] = {}
+    limit_s = scenario.limits.max_duration_s
 
     def run(load: float) -> LoadPoint:
         load = float(round(load)) if knob.integer else load
@@ -175,6 +204,12 @@ def find_capacity(
                 f"capacity: no answer within {MAX_SIMULATIONS} simulations; narrow the search"
             )
         _set(document, knob.field, int(load) if knob.integer else load)
+        if not knob.integer and load < start:
+            # A lower rate spreads the same sessions or requests over a longer time: give
+            # the run that much more time, or it is cut off with its last arrivals unserved.
+            document["limits"]["max_duration_s"] = min(limit_s * start / load, MAX_SECONDS)
+        else:
+            document["limits"]["max_duration_s"] = limit_s
         spec = parse_scenario(document, f"{scenario.name} at {knob.field}={load:g}")
         check_runnable(spec)
         point = load_point(load, simulate_summary(spec))

@@ -11,8 +11,10 @@ arguments (:func:`engine_args`, the same names and meaning as vLLM's ``EngineArg
   token streaming needs, Triton's batching off) and ``<name>/1/model.json`` (the engine
   arguments, which the backend passes to ``AsyncEngineArgs(**model_json)``).
 
-Every engine argument vLLM defaults differently from kvsim's scenario is written out, so
-the deployed engine runs the config that was simulated. The model is the preset's hub
+Every engine setting the simulation used is written out, also where it equals vLLM's
+default, so the deployed engine runs the config that was simulated; that includes
+``async_scheduling`` off, the synchronous scheduler kvsim models (vLLM 0.32 turns async
+scheduling on by default on CUDA). The model is the preset's hub
 repository (same geometry; pass ``model=`` for your own checkpoint), or the folder of a
 local ``config.json``.
 """
@@ -65,12 +67,6 @@ def engine_args(scenario: Scenario) -> dict[str, Any]:
     meaning), in a stable order. ``num_gpu_blocks_override`` only when the scenario pins
     the block count."""
     e = scenario.engine
-    if e.watermark:
-        raise KvsimConfigError(
-            f"scenario {scenario.name!r}: engine.watermark={e.watermark:g} is a what-if (V0's "
-            "admission watermark) that vLLM 0.32 has no setting for; export the config "
-            "with engine.watermark=0, the V1 behaviour"
-        )
     args: dict[str, Any] = {
         "block_size": e.block_size,
         "gpu_memory_utilization": e.gpu_memory_utilization,
@@ -82,6 +78,10 @@ def engine_args(scenario: Scenario) -> dict[str, Any]:
         "long_prefill_token_threshold": e.long_prefill_token_threshold,
         "enable_prefix_caching": e.enable_prefix_caching,
         "scheduling_policy": e.scheduling_policy,
+        "watermark": e.watermark,
+        # kvsim simulates (and validates against) vLLM's synchronous scheduler; vLLM 0.32
+        # turns async scheduling on by default on CUDA, which overlaps steps differently.
+        "async_scheduling": False,
     }
     if e.num_gpu_blocks_override is not None:
         args["num_gpu_blocks_override"] = e.num_gpu_blocks_override
@@ -169,9 +169,14 @@ def export(scenario: Scenario, fmt: str, out: Path, model: str | None = None) ->
         raise KvsimConfigError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     if out.exists():
         raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites an export")
+    if fmt == "vllm-yaml" and out.suffix not in (".yaml", ".yml"):
+        raise KvsimConfigError(
+            f"--out {out}: vllm serve --config reads only .yaml or .yml files; name it so"
+        )
     if fmt == "vllm-args":
         text = f"#!/bin/sh\n# {_provenance(scenario)}\n"
         out.write_text(text + serve_command(scenario, model) + "\n")
+        out.chmod(out.stat().st_mode | 0o111)  # a script: executable
         return [out]
     if fmt == "vllm-yaml":
         out.write_text(serve_yaml(scenario, model))

@@ -4,8 +4,9 @@ operator deploys (registered on the ``kvsim`` app by :mod:`sim.cli`)."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.progress import (
@@ -21,12 +22,18 @@ from rich.table import Table
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
 
+if TYPE_CHECKING:
+    from sim.scenario import Scenario
+
 EXPORT_FORMAT_HELP = "Also export the chosen config: vllm-args, vllm-yaml or triton."
 
 
-def check_export_options(export_format: str | None, export_out: Path | None) -> None:
-    """``--export-format`` and ``--export-out`` (of tune and capacity) before any work."""
-    from sim.export import FORMATS
+def check_export_options(
+    export_format: str | None, export_out: Path | None, spec: Scenario | None = None
+) -> None:
+    """``--export-format`` and ``--export-out`` (of tune and capacity) before any work:
+    the format, the destination, and that ``spec`` can be exported at all."""
+    from sim.export import FORMATS, engine_args, served_model
 
     if (export_format is None) != (export_out is None):
         raise KvsimConfigError("--export-format and --export-out go together")
@@ -36,6 +43,19 @@ def check_export_options(export_format: str | None, export_out: Path | None) -> 
         )
     if export_out is not None and export_out.exists():
         raise FileExistsError(f"--export-out {export_out}: already exists; kvsim never overwrites")
+    check_parent(export_out, "--export-out")
+    if export_format is not None and spec is not None:
+        engine_args(spec)
+        served_model(spec)
+
+
+def check_parent(path: Path | None, option: str) -> None:
+    """The folder ``path`` goes in exists and is writable (checked before a long search)."""
+    if path is None:
+        return
+    parent = path.resolve().parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise KvsimConfigError(f"{option} {path}: {parent} is not a writable folder")
 
 
 def export_cmd(
@@ -144,7 +164,9 @@ def sweep(
                 failed = f"[red]{len(failures)} failed[/red]" if failures else ""
                 bar.update(task, advance=1, failed=failed)
 
-            table = run_sweep(plan, workers or default_workers(), finished, ray)
+            table = run_sweep(
+                plan, default_workers() if workers is None else workers, finished, ray
+            )
     except KeyboardInterrupt:
         if plan is not None:
             total = len(plan.points)
@@ -158,10 +180,13 @@ def sweep(
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"--out {out}: cannot write the sweep ({exc})") from None
-    failed = table[table["status"] == "failed"]
+    ran = int((table["status"] == "ok").sum())
+    failed = int((table["status"] == "failed").sum())
+    pending = len(table) - ran - failed
     console.print(
-        f"{len(table) - len(failed)} of {len(table)} points ran"
-        + (f", {len(failed)} failed (see the error column)" if len(failed) else "")
+        f"{ran} of {len(table)} points ran"
+        + (f", {failed} failed (see the error column)" if failed else "")
+        + (f", {pending} have no result (their run directory is missing)" if pending else "")
         + f"; results: {out / RESULTS_FILE}",
         highlight=False,
     )
@@ -190,7 +215,7 @@ def capacity(
     export_out: Annotated[Path | None, typer.Option(help="Where --export-format writes.")] = None,
 ) -> None:
     """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
-    from sim.capacity import Knob, default_knob, find_capacity
+    from sim.capacity import default_knob, find_capacity, knob_for
     from sim.export import export
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
@@ -204,12 +229,11 @@ def capacity(
             raise KvsimConfigError(
                 f"{source}: no SLO to hold; give one, e.g. --slo ttft_p99_s=2 --slo itl_p99_s=0.1"
             )
-        the_knob = default_knob(spec)
-        if knob is not None:
-            the_knob = Knob(knob, False, knob, 1e-9, 1e9)
+        the_knob = knob_for(spec, knob) if knob is not None else default_knob(spec)
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
-        check_export_options(export_format, export_out)
+        check_parent(out, "--out")
+        check_export_options(export_format, export_out, spec)
 
         def progress(point: object) -> None:
             p = point  # a sim.capacity.LoadPoint
@@ -248,15 +272,18 @@ def capacity(
     if result.knee is not None:
         console.print(f"knee of the p99 TTFT curve: {result.knee:g}", highlight=False)
     console.print(f"{len(result.curve)} simulations", highlight=False)
-    if out is not None:
-        out.mkdir(parents=True)
-        document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **result.to_json()}
-        (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
-        console.print(f"written to {out / 'capacity.json'}", highlight=False)
-    if export_format is not None and export_out is not None:
-        # The deployment is the scenario's own engine config; only the load was searched.
-        for file in export(spec, export_format, export_out):
-            console.print(f"wrote {file}", highlight=False)
+    try:
+        if out is not None:
+            out.mkdir(parents=True)
+            document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **result.to_json()}
+            (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
+            console.print(f"written to {out / 'capacity.json'}", highlight=False)
+        if export_format is not None and export_out is not None:
+            # The deployment is the scenario's own engine config; only the load was searched.
+            for file in export(spec, export_format, export_out):
+                console.print(f"wrote {file}", highlight=False)
+    except (KvsimConfigError, OSError) as exc:
+        raise fail(f"the search finished, but its results could not be written: {exc}") from None
 
 
 def tune_cmd(
@@ -304,17 +331,19 @@ def tune_cmd(
             raise KvsimConfigError(
                 f"--objective {objective!r}: expected one of {', '.join(OBJECTIVES)}"
             )
-        check_export_options(export_format, export_out)
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
+        check_parent(out, "--out")
         if gpu_hour_usd <= 0:
             raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be positive")
         spec = load_scenario(source, [*(set_ or []), *(f"slos.{b}" for b in slo or [])])
         check_runnable(spec, str(source))
+        check_export_options(export_format, export_out, spec)
 
         def progress(trial: object) -> None:
             t = trial  # a sim.tune.Trial
-            what = {"ok": f"{objective} {t.objective:.4g}", "infeasible": "misses an SLO",
+            what = {"ok": f"{objective} {t.objective:.4g}",
+                    "infeasible": f"infeasible: {t.error or 'misses an SLO'}",
                     "invalid": f"not run: {t.error}"}[t.state]  # fmt: skip
             err_console.print(f"  trial {t.number}: {what}", highlight=False)
 
@@ -334,9 +363,26 @@ def tune_cmd(
         f"simulations) for {objective} ({result.direction})",
         highlight=False,
     )
-    if result.best is None:
-        raise fail("no trial met every SLO with every request finished; relax --slo or the load")
     best = result.best
+    try:
+        if out is not None:  # every trial, also when none was feasible
+            out.mkdir(parents=True)
+            document = {
+                "scenario": spec.name,
+                "objective": objective,
+                "direction": result.direction,
+                "slos": spec.slos.model_dump(),
+                "simulations": result.simulations,
+                "best": None if best is None else best.__dict__,
+                "pareto": [t.number for t in result.pareto],
+                "trials": [t.__dict__ for t in result.trials],
+            }
+            (out / "tune.json").write_text(json.dumps(document, indent=2) + "\n")
+            console.print(f"written to {out / 'tune.json'}", highlight=False)
+    except OSError as exc:
+        raise fail(f"the search finished, but tune.json could not be written: {exc}") from None
+    if best is None:
+        raise fail("no trial met every SLO with every request finished; relax --slo or the load")
     console.print(
         f"best: trial {best.number}, {objective} = {best.objective:.4g}; "
         + " ".join(f"--set engine.{k}={v}" for k, v in best.params.items()),
@@ -359,20 +405,9 @@ def tune_cmd(
         {**spec.model_dump(mode="json"), "engine": {**spec.engine.model_dump(), **best.params}},
         f"{spec.name} (tuned)",
     )
-    if out is not None:
-        out.mkdir(parents=True)
-        document = {
-            "scenario": spec.name,
-            "objective": objective,
-            "direction": result.direction,
-            "slos": spec.slos.model_dump(),
-            "simulations": result.simulations,
-            "best": best.__dict__,
-            "pareto": [t.number for t in result.pareto],
-            "trials": [t.__dict__ for t in result.trials],
-        }
-        (out / "tune.json").write_text(json.dumps(document, indent=2) + "\n")
-        console.print(f"written to {out / 'tune.json'}", highlight=False)
     if export_format is not None and export_out is not None:
-        for file in export(best_spec, export_format, export_out):
-            console.print(f"wrote {file}", highlight=False)
+        try:
+            for file in export(best_spec, export_format, export_out):
+                console.print(f"wrote {file}", highlight=False)
+        except (KvsimConfigError, OSError) as exc:
+            raise fail(f"the search finished, but the export failed: {exc}") from None

@@ -19,15 +19,18 @@ Points run in worker processes (all local cores by default); each point is deter
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import hashlib
 import itertools
 import json
 import os
 import shutil
+import signal
 import socket
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,6 +133,8 @@ def plan_sweep(scenario: Path, grid_specs: list[str], sets: list[str], out: Path
     """
     grid = parse_grid(grid_specs)
     load_scenario(scenario, sets)  # the base scenario itself must load
+    # Absolute paths: workers (Ray's included) may run in another working directory.
+    scenario, out = scenario.resolve(), out.resolve()
     combos = list(itertools.product(*(values for _, values in grid)))
     if len(combos) > MAX_POINTS:
         raise KvsimConfigError(
@@ -213,23 +218,33 @@ def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) ->
     except Exception as exc:  # a failed point is recorded and the sweep goes on
         shutil.rmtree(tmp, ignore_errors=True)
         error = str(exc) if isinstance(exc, KvsimConfigError) else f"{type(exc).__name__}: {exc}"
-        _write_atomic(
-            points / f"{point.id}{ERROR_SUFFIX}",
-            json.dumps({"id": point.id, "overrides": list(point.overrides), "error": error}),
-        )
+        _record_error(out, point, error)
         return error
+
+
+def _record_error(out: Path, point: Point, error: str) -> None:
+    _write_atomic(
+        out / POINTS_DIR / f"{point.id}{ERROR_SUFFIX}",
+        json.dumps({"id": point.id, "overrides": list(point.overrides), "error": error}),
+    )
 
 
 @contextmanager
 def sweep_lock(out: Path) -> Iterator[None]:
     """Hold the sweep folder: a second ``kvsim sweep`` on it is refused while this runs."""
-    with (out / LOCK_FILE).open("w") as handle:
+    with (out / LOCK_FILE).open("a+") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "?"
             raise KvsimConfigError(
-                f"--out {out}: another kvsim sweep is running on this folder"
+                f"--out {out}: another kvsim sweep (pid {holder}) is running on this folder"
             ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(str(os.getpid()))
+        handle.flush()
         yield
 
 
@@ -289,13 +304,72 @@ def _run_on_ray(
             done, _ = ray.wait(list(refs), num_returns=1)
             for ref in done:
                 point = refs.pop(ref)
-                error = ray.get(ref)
+                try:
+                    error = ray.get(ref)
+                except Exception as exc:  # the task or its worker died (e.g. Ray's OOM killer)
+                    error = f"Ray task failed: {type(exc).__name__}: {exc}"
+                    _record_error(plan.out, point, error)
                 if on_point is not None:
                     on_point(point, error)
     finally:
         for ref in refs:  # interrupted: what has not finished is cancelled
             ray.cancel(ref, force=True)
         ray.shutdown()
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def die_with_parent() -> None:
+    """Worker initializer: on Linux the kernel kills a worker when the sweep process dies,
+    so a SIGKILLed sweep leaves no worker running points or holding the folder's lock."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _run_locally(
+    plan: SweepPlan,
+    pending: list[Point],
+    workers: int,
+    on_point: Callable[[Point, str | None], None] | None,
+) -> None:
+    pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), initializer=die_with_parent)
+    futures: dict[Future[str | None], Point] = {
+        pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p for p in pending
+    }
+    try:
+        while futures:
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                point = futures.pop(future)
+                error = future.result()
+                if on_point is not None:
+                    on_point(point, error)
+    except BrokenProcessPool:
+        _stop(pool)
+        raise KvsimConfigError(
+            f"a worker process died (out of memory?); the finished points are kept in "
+            f"{plan.out}: re-run the same command to resume, with fewer --workers"
+        ) from None
+    except BaseException:  # Ctrl-C: stop now, not after the queued points
+        _stop(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    # A worker survives SIGINT in the middle of a point (the executor hands the exception
+    # back as the point's result) and would take the next one: terminate them.
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(timeout=10)
 
 
 def run_sweep(
@@ -315,24 +389,14 @@ def run_sweep(
         for stale in (plan.out / POINTS_DIR).glob(".tmp-*"):  # a killed worker's leftovers
             shutil.rmtree(stale, ignore_errors=True)
         pending = plan.pending()
-        if pending and ray_address is not None:
-            _run_on_ray(plan, pending, ray_address, on_point)
-        elif pending:
-            with ProcessPoolExecutor(max_workers=min(workers, len(pending))) as pool:
-                futures: dict[Future[str | None], Point] = {
-                    pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p
-                    for p in pending
-                }
-                try:
-                    while futures:
-                        done, _ = wait(futures, return_when=FIRST_COMPLETED)
-                        for future in done:
-                            point = futures.pop(future)
-                            if on_point is not None:
-                                on_point(point, future.result())
-                except BaseException:
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    raise
+        try:
+            if pending and ray_address is not None:
+                _run_on_ray(plan, pending, ray_address, on_point)
+            elif pending:
+                _run_locally(plan, pending, workers, on_point)
+        except BaseException:
+            write_results(plan)  # what finished, the rest pending
+            raise
         return write_results(plan)
 
 
@@ -372,6 +436,10 @@ def point_record(plan: SweepPlan, point: Point) -> dict[str, Any]:
 def write_results(plan: SweepPlan) -> pd.DataFrame:
     """Build ``results.parquet`` from the points folder (atomically) and return it."""
     table = pd.DataFrame([point_record(plan, p) for p in plan.points])
+    for field, _ in plan.grid:  # a grid of mixed YAML types (true, 0) is stored as text
+        kinds = {type(v) for v in table[field] if v is not None}
+        if len(kinds) > 1:
+            table[field] = [None if v is None else str(v) for v in table[field]]
     path = plan.out / RESULTS_FILE
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     table.to_parquet(tmp, index=False)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from sim.capacity import find_capacity
+from sim.capacity import default_knob, find_capacity
 from sim.errors import KvsimConfigError
 from sim.scenario import Scenario, check_runnable, parse_scenario
 
@@ -86,11 +86,15 @@ def pareto_front(trials: list[Trial]) -> list[Trial]:
     """The feasible trials no other feasible trial beats on throughput (higher), p99 TTFT
     and p99 ITL (lower) at once, by throughput."""
 
+    names = ("output_throughput_tok_s", "ttft_p99_s", "itl_p99_s")
+
     def key(t: Trial) -> tuple[float, float, float]:
         m = t.metrics
         return (-m["output_throughput_tok_s"], m["ttft_p99_s"], m["itl_p99_s"])
 
-    feasible = [t for t in trials if t.state == "ok" and None not in key(t)]
+    feasible = [
+        t for t in trials if t.state == "ok" and all(t.metrics.get(n) is not None for n in names)
+    ]
     front = [
         t for t in feasible
         if not any(all(a <= b for a, b in zip(key(o), key(t), strict=True)) and key(o) != key(t)
@@ -121,6 +125,8 @@ def tune(
         raise KvsimConfigError(
             f"scenario {scenario.name!r}: no SLO to tune for; give one, e.g. --slo ttft_p99_s=2"
         )
+    if objective == "max-sessions":
+        default_knob(scenario)  # a workload with no load knob is refused before any trial
     minimize = objective == "cost-per-million-tokens"
     space = dict(SPACE)
     if objective != "cost-per-million-tokens":  # more GPUs always win the other two
@@ -156,8 +162,9 @@ def tune(
         if on_trial is not None:
             on_trial(trial)
     ok = [t for t in trials if t.state == "ok" and t.objective is not None]
-    pick = min if minimize else max
-    best = pick(ok, key=lambda t: (t.objective, -t.number)) if ok else None
+    # The best objective; on a tie, the earliest trial.
+    sign = 1.0 if minimize else -1.0
+    best = min(ok, key=lambda t: (sign * t.objective, t.number)) if ok else None
     direction = "minimize" if minimize else "maximize"
     return TuneResult(objective, direction, trials, best, pareto_front(trials))
 

@@ -69,6 +69,7 @@ def engine_kwargs(
         "long_prefill_token_threshold": e.long_prefill_token_threshold,
         "enable_prefix_caching": e.enable_prefix_caching,
         "scheduling_policy": e.scheduling_policy,
+        "watermark": e.watermark,
         "gpu_memory_utilization": e.gpu_memory_utilization,
         "tensor_parallel_size": e.tensor_parallel_size,
         "num_gpu_blocks_override": e.num_gpu_blocks_override,

@@ -28,8 +28,10 @@ from validate.runner import ValidationReport, build_report, run_real, run_sim
 PROFILE_NAME = "profile.json"
 # Six: with three, the error against their median moved by up to ~8 points between sessions.
 DEFAULT_ROUNDS = 6
-# The fewest rounds a time budget may cut the suite to: four replays still leave an interval
-# between the second lowest and the second highest (validate.compare), three would not.
+# The fewest rounds a time budget may cut the suite to. Four or five replays are checked
+# against their full range (validate.compare.median_interval: an 88-94% interval for their
+# median), six against the second lowest to second highest (78%); four keeps each cost-model
+# term fitted over at least four processes.
 MIN_ROUNDS = 4
 
 

@@ -71,8 +71,8 @@ class EngineConfig(KvsimModel):
         0.0,
         ge=0.0,
         lt=1.0,
-        description="Fraction of KV blocks kept free when admitting new requests (V0's "
-        "watermark; vLLM V1 has none, so 0 reproduces V1).",
+        description="Fraction of KV blocks kept free when admitting waiting or preempted "
+        "requests (vLLM's --watermark; 0, its default, disables it).",
     )
 
     @model_validator(mode="after")

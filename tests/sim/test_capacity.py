@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from sim.capacity import Knob, default_knob, find_capacity, knee, load_point
+from sim.capacity import Knob, default_knob, find_capacity, knee, knob_for, load_point
 from sim.cli import app
 from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
@@ -140,3 +140,52 @@ def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:
     result = runner.invoke(app, ["capacity", str(BURST), "--set", "workload.turns.value=2", *args])
     assert result.exit_code == 2, result.output
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
+
+
+def test_an_slo_without_a_value_fails_the_load_with_a_message() -> None:
+    summary = fake_summary(0.1)
+    summary["slos"]["itl_p99_s"] = {"target": 0.1, "value": None, "pass": False}
+    point = load_point(3, summary)
+    assert not point.holds
+    assert point.failed == ["itl_p99_s: no value (no request got that far)"]
+
+
+def test_a_lower_rate_gets_a_longer_time_limit() -> None:
+    spec = load_scenario(CODING, ["workload.session_arrival.rate_per_s=0.8"])
+    limits: dict[float, float] = {}
+
+    def summary(s: Scenario) -> dict[str, Any]:
+        rate = s.workload.session_arrival.rate_per_s
+        limits[rate] = s.limits.max_duration_s
+        return fake_summary(rate * 10)  # holds up to a rate of 0.1
+
+    result = find_capacity(spec, summary)
+    assert result.capacity is not None and result.capacity <= 0.1 < result.first_failing
+    base = spec.limits.max_duration_s
+    for rate, limit in limits.items():
+        assert limit == pytest.approx(base * max(1.0, 0.8 / rate))
+
+
+def test_a_knob_named_by_hand_keeps_its_type() -> None:
+    spec = load_scenario(BURST, ["workload.turns.value=4"])
+    knob = knob_for(spec, "workload.turns.value")
+    assert knob.integer and knob.field == "workload.turns.value"
+    assert knob_for(spec, "workload.sessions") == default_knob(spec)
+    assert not knob_for(spec, "engine.gpu_memory_utilization").integer
+    with pytest.raises(KvsimConfigError, match="not a number to search over"):
+        knob_for(spec, "engine.scheduling_policy")
+    with pytest.raises(KvsimConfigError, match="not a field of this scenario"):
+        knob_for(spec, "workload.nope")
+    result = find_capacity(spec, loaded("workload.turns.value"), knob)
+    assert (result.capacity, result.first_failing) == (100, 101)
+
+
+def test_an_export_that_cannot_be_written_is_refused_before_the_search(tmp_path: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["capacity", str(BURST), "--slo", "ttft_p99_s=1", "--export-format", "vllm-args",
+         "--export-out", str(tmp_path / "missing" / "serve.sh")],
+    )  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "is not a writable folder" in " ".join(result.output.split())
+    assert "searching" not in result.output

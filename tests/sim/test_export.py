@@ -4,6 +4,7 @@ model repository (vLLM's own parser reads them back in tests/validate/test_expor
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 
@@ -14,7 +15,6 @@ from tritonclient.grpc import model_config_pb2
 from typer.testing import CliRunner
 
 from sim.cli import app
-from sim.errors import KvsimConfigError
 from sim.export import engine_args, export, serve_argv, served_model
 from sim.scenario import SCENARIO_DIR, load_scenario
 
@@ -43,6 +43,8 @@ def test_engine_args_carry_every_scheduling_and_memory_setting_of_the_scenario()
         "long_prefill_token_threshold": e.long_prefill_token_threshold,
         "enable_prefix_caching": False,
         "scheduling_policy": e.scheduling_policy,
+        "watermark": 0.0,
+        "async_scheduling": False,
     }
     # A pinned block count is exported too.
     assert engine_args(load_scenario(TINY))["num_gpu_blocks_override"] == 1024
@@ -61,10 +63,10 @@ def test_a_local_model_config_is_served_from_its_folder() -> None:
     assert served_model(spec) == str(Path(spec.model.source_path).parent)
 
 
-def test_a_what_if_vllm_cannot_run_is_refused() -> None:
-    spec = load_scenario(CODING, ["engine.watermark=0.05"])
-    with pytest.raises(KvsimConfigError, match=r"engine\.watermark=0\.05 is a what-if"):
-        engine_args(spec)
+def test_the_watermark_and_synchronous_scheduling_are_exported() -> None:
+    argv = serve_argv(load_scenario(CODING, ["engine.watermark=0.05"]))
+    assert argv[argv.index("--watermark") + 1] == "0.05"
+    assert "--no-async-scheduling" in argv
 
 
 def test_cli_prints_args_and_yaml_and_writes_each_format(tmp_path: Path) -> None:
@@ -82,6 +84,7 @@ def test_cli_prints_args_and_yaml_and_writes_each_format(tmp_path: Path) -> None
     code, out = run("export", str(FLEET), "--format", "vllm-args", "--out", str(script))
     assert code == 0, out
     assert script.read_text().splitlines()[-1] == shlex.join(serve_argv(load_scenario(FLEET)))
+    assert os.access(script, os.X_OK)
 
 
 def test_triton_repository_parses_with_tritons_model_config_proto(tmp_path: Path) -> None:
@@ -118,7 +121,7 @@ def test_a_run_directory_exports_the_scenario_it_ran(tmp_path: Path) -> None:
     [
         (["--format", "helm"], "--format 'helm': expected one of vllm-args, vllm-yaml, triton"),
         (["--format", "triton"], "--format triton writes a model repository: give --out"),
-        (["--set", "engine.watermark=0.1"], "engine.watermark=0.1 is a what-if"),
+        (["--format", "vllm-yaml", "--out", "serve.txt"], "reads only .yaml or .yml files"),
         (["--set", "engine.max_num_seqs=0"], "engine.max_num_seqs"),
     ],
 )

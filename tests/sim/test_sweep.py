@@ -107,11 +107,18 @@ def test_a_killed_sweep_resumes_without_running_a_finished_point_again(tmp_path:
     pd.testing.assert_frame_equal(again, table)
 
 
-def test_sigint_keeps_finished_points_and_says_how_to_resume(tmp_path: Path) -> None:
-    out = tmp_path / "sweep"
-    cmd = [sys.executable, "-c", "from sim.cli import app; app()", *sweep_args(out)]
-    cmd += ["--workers", "1", "--set", "workload.sessions=20"]
-    proc = subprocess.Popen(
+LONG_GRID = ["engine.max_num_seqs=8,16,24,32", "engine.max_num_batched_tokens=1024,2048"]
+
+
+def start_sweep(out: Path, workers: int) -> subprocess.Popen[str]:
+    """``kvsim sweep`` of 8 points (a few seconds each) in its own process group."""
+    cmd = [sys.executable, "-c", "from sim.cli import app; app()", "sweep", str(SCENARIO)]
+    cmd += ["--out", str(out), "--quiet", "--workers", str(workers)]
+    for grid in LONG_GRID:
+        cmd += ["--grid", grid]
+    for assignment in ("workload.sessions=20", "workload.turns.value=3"):
+        cmd += ["--set", assignment]
+    return subprocess.Popen(
         cmd,
         start_new_session=True,
         cwd=Path(__file__).parents[2],
@@ -119,16 +126,56 @@ def test_sigint_keeps_finished_points_and_says_how_to_resume(tmp_path: Path) -> 
         stderr=subprocess.STDOUT,
         text=True,
     )
-    first = out / POINTS_DIR / "p0000"
+
+
+def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
     deadline = time.monotonic() + 120
-    while not first.is_dir() and proc.poll() is None and time.monotonic() < deadline:
+    while not path.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.05)
+    assert path.exists(), proc.communicate()[0]
+
+
+def test_sigint_stops_at_once_keeps_finished_points_and_says_how_to_resume(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "sweep"
+    proc = start_sweep(out, workers=2)
+    wait_for(out / POINTS_DIR / "p0000", proc)
     os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C reaches the sweep and its workers
     output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, output
     assert "run the same command again to finish the rest" in " ".join(output.split())
     assert "Traceback" not in output
-    assert first.is_dir()
+    # It stopped: the points queued behind the running ones never ran.
+    table = pd.read_parquet(out / RESULTS_FILE)
+    assert table.loc[0, "status"] == "ok"
+    assert (table["status"] == "pending").sum() >= 4
+
+
+def test_a_sweep_killed_alone_leaves_no_worker_and_resumes_at_once(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    proc = start_sweep(out, workers=2)
+    wait_for(out / POINTS_DIR / "p0000", proc)
+    proc.kill()  # SIGKILL to the sweep process only (an OOM kill, a CI timeout)
+    proc.communicate()
+    # Its workers die with it (PR_SET_PDEATHSIG), releasing the folder's lock.
+    plan = plan_sweep(SCENARIO, LONG_GRID, ["workload.sessions=20", "workload.turns.value=3"], out)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with sweep_lock(out):
+                break
+        except KvsimConfigError:
+            assert time.monotonic() < deadline, "the killed sweep's workers kept the lock"
+            time.sleep(0.2)
+    done = {p.name: p.stat().st_ino for p in (out / POINTS_DIR).iterdir() if p.is_dir()
+            and not p.name.startswith(".")}  # fmt: skip
+    ran: list[str] = []
+    table = run_sweep(plan, 2, lambda point, error: ran.append(point.id))
+    assert sorted(ran) == sorted(p.id for p in plan.points if p.id not in done)
+    for name, inode in done.items():
+        assert (out / POINTS_DIR / name).stat().st_ino == inode
+    assert (table["status"] == "ok").all()
 
 
 def test_another_sweep_in_the_same_folder_is_refused(tmp_path: Path) -> None:
@@ -140,7 +187,9 @@ def test_another_sweep_in_the_same_folder_is_refused(tmp_path: Path) -> None:
     assert code == 2 and "holds another sweep" in text
     with (
         sweep_lock(out),
-        pytest.raises(KvsimConfigError, match="another kvsim sweep is running"),
+        pytest.raises(
+            KvsimConfigError, match=rf"another kvsim sweep \(pid {os.getpid()}\) is running"
+        ),
     ):
         run_sweep(plan_sweep(SCENARIO, GRID, SMALL, out), 1)
     other = tmp_path / "other"
@@ -224,3 +273,21 @@ def test_an_unreachable_ray_address_is_one_clear_error(
 ) -> None:
     code, text = run(*sweep_args(tmp_path / "s", "--ray", address))
     assert code == 2 and message in text and "Traceback" not in text
+
+
+def test_a_grid_of_mixed_yaml_types_still_writes_its_table(tmp_path: Path) -> None:
+    out = tmp_path / "mixed"
+    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet", "--workers", "1"]
+    args += ["--grid", "engine.enable_prefix_caching=true,0"]
+    for assignment in SMALL:
+        args += ["--set", assignment]
+    code, text = run(*args)
+    assert code == 0, text
+    table = pd.read_parquet(out / RESULTS_FILE)
+    assert list(table["engine.enable_prefix_caching"]) == ["True", "0"]
+    assert list(table["status"]) == ["ok", "ok"]
+
+
+def test_zero_workers_is_refused(tmp_path: Path) -> None:
+    code, text = run(*sweep_args(tmp_path / "s", "--workers", "0"))
+    assert code == 2 and "--workers 0: must be at least 1" in text

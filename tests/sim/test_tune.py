@@ -135,3 +135,21 @@ def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:
 def test_unknown_objective_in_the_api() -> None:
     with pytest.raises(KvsimConfigError, match="--objective"):
         tune(load_scenario(BURST), "fast", 1, fake_summary)
+
+
+def test_max_sessions_runs_a_capacity_search_per_trial() -> None:
+    spec = load_scenario(BURST, [*SMALL, "slos.ttft_p99_s=1"])
+
+    def by_sessions(s: Scenario) -> dict[str, Any]:
+        summary = fake_summary(s)
+        ttft = s.workload.sessions / (10.0 * s.engine.max_num_seqs / 64)  # more seqs, more room
+        summary["slos"]["ttft_p99_s"] = {"target": 1.0, "value": ttft, "pass": ttft <= 1.0}
+        summary["metrics"]["vllm:time_to_first_token_seconds"] = {"p99": ttft}
+        return summary
+
+    result = tune(spec, "max-sessions", 4, by_sessions)
+    ran = [t for t in result.trials if t.state == "ok"]
+    assert ran and all(t.simulations > 1 for t in ran)  # a whole search each
+    for t in ran:
+        assert t.objective == 10 * t.params["max_num_seqs"] // 64
+    assert result.best is not None and result.best.objective == max(t.objective for t in ran)

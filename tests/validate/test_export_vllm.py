@@ -14,7 +14,10 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 pytestmark = pytest.mark.vllm
 
 SCENARIOS = [
-    (SCENARIO_DIR / "fleet-70b-tp4-h200.yaml", ["engine.enable_prefix_caching=false"]),
+    (
+        SCENARIO_DIR / "fleet-70b-tp4-h200.yaml",
+        ["engine.enable_prefix_caching=false", "engine.watermark=0.05"],
+    ),
     (SCENARIO_DIR / "priority-mix.yaml", []),
     (SCENARIO_DIR / "validation" / "open-loop-burst.yaml", []),
 ]
