@@ -160,6 +160,10 @@ def stop(proc: subprocess.Popen, timeout_s: float = STOP_TIMEOUT_S) -> int:
     return proc.wait()
 
 
+def _let_pending_signals_run() -> None:
+    """A Python-level call: Python runs signal handlers whose signal has arrived on entry."""
+
+
 def launch(
     host: str = "127.0.0.1",
     port: int = 8501,
@@ -190,7 +194,12 @@ def launch(
                 )
                 break
             time.sleep(POLL_S)
-        return proc.wait()
+        status = proc.wait()
+        # Ctrl-C reaches Streamlit too, which may exit 0 before this process has run its
+        # KeyboardInterrupt: the signal is pending by the time wait() returns, and entering
+        # a Python function raises it, here inside the try.
+        _let_pending_signals_run()
+        return status
     except KeyboardInterrupt:
         return 130
     except _Stop as exc:

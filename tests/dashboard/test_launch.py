@@ -171,6 +171,13 @@ def _alive(pids: set[int], group: int) -> list[int]:
     )  # fmt: skip
 
 
+def default_sigint() -> None:
+    """In the child, Ctrl-C as in a terminal: a test run started in the background (a
+    non-interactive shell's ``&``) inherits SIGINT ignored, and Python then never raises
+    KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _wait_for(predicate, what: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + WAIT_S
     while not predicate():
@@ -214,6 +221,7 @@ def test_kvsim_dashboard_serves_on_a_fresh_machine_and_stops(
             env=env,
             cwd=tmp_path,
             start_new_session=True,  # its own process group, as a shell job has
+            preexec_fn=default_sigint,
         )
     try:
         _wait_for(lambda: launch_module.is_up("127.0.0.1", port), "/_stcore/health", proc, log)

@@ -28,6 +28,7 @@ from sim.sweep import (
     run_sweep,
     sweep_lock,
 )
+from tests.dashboard.test_launch import default_sigint
 
 runner = CliRunner()
 SCENARIO = SCENARIO_DIR / "agent-burst.yaml"
@@ -121,6 +122,7 @@ def start_sweep(out: Path, workers: int) -> subprocess.Popen[str]:
     return subprocess.Popen(
         cmd,
         start_new_session=True,
+        preexec_fn=default_sigint,
         cwd=Path(__file__).parents[2],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
