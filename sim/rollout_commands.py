@@ -25,7 +25,23 @@ from sim.errors import KvsimConfigError
 if TYPE_CHECKING:
     from sim.scenario import Scenario
 
-EXPORT_FORMAT_HELP = "Also export the chosen config: vllm-args, vllm-yaml or triton."
+# Options several rollout commands take, declared once.
+SetOption = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
+]
+ScenarioArgument = Annotated[
+    Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
+]
+SloOption = Annotated[
+    list[str] | None,
+    typer.Option(help="An SLO bound, e.g. --slo ttft_p99_s=2 (default: the scenario's)."),
+]
+ExportFormatOption = Annotated[
+    str | None,
+    typer.Option(help="Also export the chosen config: vllm-args, vllm-yaml or triton."),
+]
+ExportOutOption = Annotated[Path | None, typer.Option(help="Where --export-format writes.")]
 
 
 def check_export_options(
@@ -76,10 +92,7 @@ def export_cmd(
         str | None,
         typer.Option(help="Model vLLM loads (hub name or path); default: the scenario's."),
     ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
-    ] = None,
+    set_: SetOption = None,
 ) -> None:
     """Export a scenario's engine config for rollout: vllm serve args or YAML, or Triton."""
     from sim.export import FORMATS, export, serve_command, serve_yaml
@@ -193,26 +206,18 @@ def sweep(
 
 
 def capacity(
-    scenario: Annotated[
-        Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
-    ] = None,
-    slo: Annotated[
-        list[str] | None,
-        typer.Option(help="An SLO bound, e.g. --slo ttft_p99_s=2 (default: the scenario's)."),
-    ] = None,
+    scenario: ScenarioArgument = None,
+    slo: SloOption = None,
     knob: Annotated[
         str | None,
         typer.Option(help="Load field to search (default: sessions, or the arrival rate)."),
     ] = None,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override a field first, e.g. --set engine.max_num_seqs=128."),
-    ] = None,
+    set_: SetOption = None,
     out: Annotated[
         Path | None, typer.Option(help="Write capacity.json (answer and curve) here.")
     ] = None,
-    export_format: Annotated[str | None, typer.Option(help=EXPORT_FORMAT_HELP)] = None,
-    export_out: Annotated[Path | None, typer.Option(help="Where --export-format writes.")] = None,
+    export_format: ExportFormatOption = None,
+    export_out: ExportOutOption = None,
 ) -> None:
     """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
     from sim.capacity import default_knob, find_capacity, knob_for
@@ -287,31 +292,21 @@ def capacity(
 
 
 def tune_cmd(
-    scenario: Annotated[
-        Path | None, typer.Argument(help="Scenario YAML; default: the coding-agent fleet.")
-    ] = None,
+    scenario: ScenarioArgument = None,
     objective: Annotated[
         str, typer.Option(help="goodput, cost-per-million-tokens or max-sessions.")
     ] = "goodput",
-    slo: Annotated[
-        list[str] | None,
-        typer.Option(help="An SLO bound, e.g. --slo ttft_p99_s=2 (default: the scenario's)."),
-    ] = None,
+    slo: SloOption = None,
     budget: Annotated[int, typer.Option(help="Optuna trials (configs tried).")] = 30,
     gpu_hour_usd: Annotated[
         float, typer.Option(help="Price of one GPU-hour, for cost-per-million-tokens.")
     ] = 1.0,
-    set_: Annotated[
-        list[str] | None,
-        typer.Option("--set", help="Override a field first, e.g. --set workload.sessions=800."),
-    ] = None,
+    set_: SetOption = None,
     out: Annotated[
         Path | None, typer.Option(help="Write tune.json (every trial, best, Pareto front).")
     ] = None,
-    export_format: Annotated[
-        str | None, typer.Option(help="Also export the best config: vllm-args, vllm-yaml, triton.")
-    ] = None,
-    export_out: Annotated[Path | None, typer.Option(help="Where --export-format writes.")] = None,
+    export_format: ExportFormatOption = None,
+    export_out: ExportOutOption = None,
 ) -> None:
     """Search vLLM's engine knobs (Optuna) for the best config under the SLOs."""
     from sim.export import export

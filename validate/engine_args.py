@@ -9,6 +9,7 @@ from typing import Any
 from sim.config.model import DTYPE_BYTES
 from sim.config.sizing import size_kv_cache
 from sim.errors import KvsimConfigError
+from sim.export import engine_args as export_engine_args
 from sim.scenario import Scenario
 
 GIB = 1 << 30
@@ -59,25 +60,14 @@ def engine_kwargs(
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``EngineArgs`` keyword arguments and the environment variables the device needs."""
     e = scenario.engine
+    # The scenario's engine settings, named as kvsim exports them for rollout (one mapping),
+    # plus what a replay needs: the recording scheduler, the seed, stats on.
     kwargs: dict[str, Any] = {
         "model": model,
-        "block_size": e.block_size,
-        "max_model_len": e.max_model_len,
-        "max_num_seqs": e.max_num_seqs,
-        "max_num_batched_tokens": e.max_num_batched_tokens,
-        "enable_chunked_prefill": e.enable_chunked_prefill,
-        "long_prefill_token_threshold": e.long_prefill_token_threshold,
-        "enable_prefix_caching": e.enable_prefix_caching,
-        "scheduling_policy": e.scheduling_policy,
-        "watermark": e.watermark,
-        "gpu_memory_utilization": e.gpu_memory_utilization,
-        "tensor_parallel_size": e.tensor_parallel_size,
-        "num_gpu_blocks_override": e.num_gpu_blocks_override,
+        **export_engine_args(scenario),
         "scheduler_cls": "validate.recording_scheduler.RecordingScheduler",
         "seed": scenario.seed,
         "disable_log_stats": False,
-        # Conformance runs with async scheduling off (it is off on CPU anyway).
-        "async_scheduling": False,
     }
     env: dict[str, str] = {}
     if device == "cpu":
