@@ -44,6 +44,17 @@ on vLLM-CPU, whatever the decode batch size, the first such step took ~0.9 ms lo
 steady decode, the second ~0.45 ms, the third ~0.3, the fourth ~0.2 and the tenth ~0.06: one
 over n. All three default to 0, so datasheet runs are unchanged; calibration fits them.
 
+Mode "operators" (the shipped H100 and A100 kernel fits, ``kvsim calibrate --vidur``) keeps
+the overheads above but replaces the linear layers, the weight read and the all-reduce by the
+GPU kernel model of ``sim/gpu_kernels.py`` (every non-attention operator priced from its shape,
+the GPU's SM count and fitted kernel parameters), and prices attention on its own::
+
+    core_s = kernels(T tokens through the layers, R lm_head rows)
+             + max(attn_flops / (F * attention_compute_efficiency),
+                   kv_bytes(C + T) / (BW * bandwidth_efficiency))
+
+MoE models keep the roofline in that mode (the kernel model has no expert GEMMs).
+
 Swap and CPU offload move ``bytes_per_block`` per block over PCIe at ``kv_transfer_efficiency``.
 
 Each term and the :class:`CostParams` field that prices it is declared once, in
@@ -58,13 +69,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from sim.config.hardware import Hardware
 from sim.config.model import ModelGeometry
+from sim.errors import KvsimConfigError
+from sim.gpu_kernels import KernelParams, LayerShape, OperatorTimer
 from sim.scheduler.output import BatchShape
 
-CostMode = Literal["roofline", "additive"]
+CostMode = Literal["roofline", "additive", "operators"]
 
 
 class CostParams(BaseModel):
@@ -75,7 +89,14 @@ class CostParams(BaseModel):
     mode: CostMode = Field(
         "roofline",
         description="roofline: max(compute, memory) (datasheet default); additive: compute + "
-        "memory, the form validate.fit.fit_cost_params fits by least squares.",
+        "memory, the form validate.fit.fit_cost_params fits by least squares; operators: "
+        "each non-attention operator priced by the kernel model of sim/gpu_kernels.py "
+        "(needs kernels), attention by the roofline.",
+    )
+    kernels: KernelParams | None = Field(
+        None,
+        description="Kernel parameters fitted on operator measurements (kvsim calibrate "
+        "--vidur); required by mode operators.",
     )
     compute_efficiency: float = Field(
         0.6, gt=0, description="Fraction of datasheet bf16 FLOP/s the linear layers reach."
@@ -83,6 +104,10 @@ class CostParams(BaseModel):
     attention_compute_efficiency: float = Field(
         0.4, gt=0, description="Fraction of datasheet bf16 FLOP/s attention reaches."
     )
+    # Fitted on Vidur's TP1 operator profiles (kvsim calibrate --vidur, fit.roofline_*), the
+    # roofline's compute efficiency is 0.58 (H100) and 0.66 (A100): the 0.6 above stands. Its
+    # bandwidth efficiency on weight reads is 0.63-0.64, but this one term also prices KV
+    # reads in attention, which no measurement covers, so it stays at 0.8 (see README).
     bandwidth_efficiency: float = Field(
         0.8, gt=0, description="Fraction of datasheet HBM bandwidth weight and KV reads reach."
     )
@@ -115,6 +140,12 @@ class CostParams(BaseModel):
     kv_transfer_efficiency: float = Field(
         0.8, gt=0, description="Fraction of PCIe bandwidth swap and CPU offload transfers reach."
     )
+
+    @model_validator(mode="after")
+    def _kernels_for_operators(self) -> CostParams:
+        if self.mode == "operators" and self.kernels is None:
+            raise ValueError("mode 'operators' needs kernels (fitted by kvsim calibrate --vidur)")
+        return self
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,9 +235,11 @@ class CostModel:
         self._weight_read_s = BYTES.price(weight_s, params)
         self._kv_s_per_token = BYTES.price(kv_token, params)
         self._additive = params.mode == "additive"
+        self._operators = _operator_timer(model, hardware, tp, params)
         # Megatron-style TP: one all-reduce after attention, one after the MLP, per layer;
         # a ring all-reduce moves 2 (tp - 1) / tp of the activations through each GPU's link.
-        num_allreduces = 2 * model.num_hidden_layers if tp > 1 else 0
+        # (Mode "operators" prices them in its operator timer.)
+        num_allreduces = 2 * model.num_hidden_layers if tp > 1 and not self._operators else 0
         allreduce_bytes_per_token = model.hidden_size * dtype_bytes * 2 * (tp - 1) / tp
         link_bw = hardware.allreduce_bandwidth_bytes_per_s
         self._allreduce_fixed_s = num_allreduces * params.allreduce_latency_s
@@ -234,18 +267,29 @@ class CostModel:
             return 0.0
         num_reqs = shape.num_prefill_reqs + num_decode_reqs
         decode_context_tokens = shape.decode_context_tokens
-        pairs = shape.prefill_attention_pairs
-        compute_s = (
-            self._lin_s_per_token * num_tokens
-            + self._lin_s_per_row * num_reqs
-            + self._attn_s_per_pair * (pairs + decode_context_tokens)
+        attention_s = self._attn_s_per_pair * (
+            shape.prefill_attention_pairs + decode_context_tokens
         )
-        kv_tokens = decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
-        memory_s = self._weight_read_s + self._kv_s_per_token * kv_tokens
-        if self._additive:
-            core_s = compute_s + memory_s
+        kv_s = self._kv_s_per_token * (
+            decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
+        )
+        timer = self._operators
+        if timer is not None:
+            # Mode "operators": the kernel model plus attention, itself a roofline.
+            core_s = (
+                timer.body_time_s(num_tokens)
+                + timer.lm_head_time_s(num_reqs)
+                + (attention_s if attention_s > kv_s else kv_s)
+            )
         else:
-            core_s = compute_s if compute_s > memory_s else memory_s
+            compute_s = (
+                self._lin_s_per_token * num_tokens + self._lin_s_per_row * num_reqs + attention_s
+            )
+            memory_s = self._weight_read_s + kv_s
+            if self._additive:
+                core_s = compute_s + memory_s
+            else:
+                core_s = compute_s if compute_s > memory_s else memory_s
         return (
             core_s
             + self._fixed_s
@@ -265,6 +309,9 @@ class CostModel:
         num_tokens = shape.num_prefill_tokens + shape.num_decode_reqs
         if num_tokens == 0:
             return 0.0
+        if self._operators is not None:
+            per_layer = 2 * self._operators.allreduce_time_s(np.array([num_tokens]))[0]
+            return float(self.model.num_hidden_layers * per_layer)
         return self._allreduce_fixed_s + self._allreduce_s_per_token * num_tokens
 
     def allreduce_transfer_time_s(self, shape: BatchShape) -> float:
@@ -344,3 +391,38 @@ def _prefill_context_tokens(shape: BatchShape) -> float:
     mean_chunk_tokens = num_prefill_tokens / shape.num_prefill_reqs
     context = shape.prefill_attention_pairs / mean_chunk_tokens - num_prefill_tokens / 2
     return context if context > 0.0 else 0.0
+
+
+def _operator_timer(
+    model: ModelGeometry, hardware: Hardware, tp: int, params: CostParams
+) -> OperatorTimer | None:
+    """The kernel model of mode "operators" (None in the other modes, and for MoE models,
+    whose expert GEMMs it does not model: those keep the roofline)."""
+    if params.mode != "operators" or params.kernels is None:
+        return None
+    if model.num_active_params is not None and model.num_active_params < model.num_params:
+        return None
+    if hardware.sm_count is None:
+        raise KvsimConfigError(
+            f"hardware {hardware.name!r} has no sm_count, which cost mode 'operators' needs "
+            "to size GEMM waves; give hardware.sm_count or use a roofline profile"
+        )
+    shape = LayerShape(
+        hidden=model.hidden_size,
+        q_heads=model.num_attention_heads,
+        kv_heads=model.num_key_value_heads,
+        head_dim=model.head_dim,
+        intermediate=model.intermediate_size,
+        gated=True,
+        vocab=model.vocab_size,
+        tp=tp,
+        dtype_bytes=model.dtype_bytes,
+    )
+    return OperatorTimer(
+        shape,
+        model.num_hidden_layers,
+        params.kernels,
+        hardware.sm_count,
+        hardware.bf16_flops_per_s,
+        hardware.hbm_bandwidth_bytes_per_s,
+    )

@@ -14,7 +14,7 @@ import simpy
 
 from sim import __version__
 from sim.block_map import BlockMapRecorder
-from sim.config.calibration import CalibrationProfile
+from sim.config.calibration import CalibrationProfile, shipped_profile
 from sim.config.sizing import KVSizing, size_kv_cache
 from sim.cost_model import CostModel, CostParams
 from sim.engine import Engine
@@ -80,6 +80,8 @@ def simulate(
     """
     sizing = size_for(scenario)
     engine_cfg = scenario.engine
+    if calibration is None:
+        calibration = shipped_profile(scenario.hardware)
     params = calibration.params if calibration is not None else CostParams()
     cost_model = CostModel(
         scenario.model, scenario.hardware, engine_cfg.tensor_parallel_size, params

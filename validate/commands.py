@@ -227,23 +227,66 @@ def validate_cmd(
 
 
 def calibrate_cmd(
-    runs: Annotated[list[Path], typer.Argument(help="Measured run directories.")],
     output: Annotated[Path, typer.Option("-o", "--output", help="Profile JSON to write.")],
+    runs: Annotated[
+        list[Path] | None, typer.Argument(help="Measured run directories (kvsim replay).")
+    ] = None,
+    vidur: Annotated[
+        Path | None,
+        typer.Option(
+            help="Fit GPU kernel parameters from Vidur-format operator tables in this folder "
+            "(compute/<gpu>/<org>/<model>/mlp.csv, network/<gpu>_dgx/all_reduce.csv) "
+            "instead of from runs."
+        ),
+    ] = None,
+    gpu: Annotated[
+        str, typer.Option(help="With --vidur: the GPU folder to fit (h100, a100).")
+    ] = "h100",
+    hardware: Annotated[
+        str | None,
+        typer.Option(help="With --vidur: the hardware preset measured (default: by --gpu)."),
+    ] = None,
 ) -> None:
-    """Fit the cost model to measured steps; write a calibration profile."""
+    """Fit the cost model to measured steps (or, with --vidur, to GPU operator tables); write
+    a calibration profile."""
     from sim.config.calibration import save_profile
+    from sim.config.hardware import resolve_hardware
     from sim.results import check_out_free
     from validate.calibrate import calibrate
 
     try:
+        if bool(runs) == (vidur is not None):
+            raise KvsimConfigError(
+                "give either run directories or --vidur DIR (not both, not neither)"
+            )
         check_out_free(output, "-o")  # before fitting, which reads every run
-        profile = calibrate(runs)
+        if vidur is not None:
+            if importlib.util.find_spec("scipy") is None:
+                raise KvsimConfigError(
+                    "kvsim calibrate --vidur fits with scipy, which is not installed: "
+                    "pip install 'kvsim[calibrate]'"
+                )
+            from validate.vidur_profile import vidur_profile
+
+            hw = resolve_hardware(hardware) if hardware is not None else None
+            with console.status(f"fitting kernel parameters on {vidur}/compute/{gpu} ..."):
+                profile = vidur_profile(vidur, gpu, hw)
+        else:
+            profile = calibrate(runs or [])
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"-o {output}: cannot write the profile ({exc})") from None
     fit = profile.fit
+    if vidur is not None:
+        console.print(
+            f"fitted kernel parameters of {profile.hardware} on {profile.num_steps} layer "
+            f"measurements of {profile.model}: median {fit['median_abs_pct_error']:.1f}%, "
+            f"max {fit['max_abs_pct_error']:.1f}% per layer; wrote {output}",
+            highlight=False,
+        )
+        return
     console.print(
         f"fitted {profile.num_steps} steps of {profile.model} on {profile.hardware} "
         f"(vLLM {profile.vllm_version}): r2 {fit.get('r2', float('nan')):.3f}, "

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from sim.config.calibration import CalibrationProfile, load_profile
+from sim.config.calibration import CalibrationProfile, load_profile, shipped_profile
 from sim.cost_model import CostParams
 from sim.results import RunData, load_run
 from sim.runner import simulate
@@ -175,7 +175,7 @@ def build_report(
 ) -> ValidationReport:
     """The simulation against the measured runs (against their median when repeated), with
     each run's step times against the cost parameters the simulation used."""
-    profile = load_profile(calibration) if calibration else None
+    profile = load_profile(calibration) if calibration else shipped_profile(scenario.hardware)
     params = profile.params if profile else CostParams()
     warning = profile.budget_warning(scenario.engine.max_num_batched_tokens) if profile else None
     return ValidationReport(

@@ -10,11 +10,13 @@ calibration code (layers only point down: ``validate`` -> ``sim``).
 from __future__ import annotations
 
 import json
+from functools import cache
 from pathlib import Path
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
+from sim.config.hardware import Hardware
 from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError, format_validation_error
 
@@ -40,7 +42,8 @@ class CalibrationProfile(BaseModel):
     source: str = Field(
         "vllm",
         description="What timed the steps: 'vllm' (kvsim calibrate on real vLLM runs) or "
-        "'torch-kernels' (validate/gpu_profile.py: a torch decoder stack, not vLLM).",
+        "'torch-kernels' (validate/gpu_profile.py: a torch decoder stack, not vLLM) or "
+        "'vidur-operator-tables' (kvsim calibrate --vidur: GPU operator tables).",
     )
     environment: dict[str, str] = Field(
         default_factory=dict,
@@ -87,3 +90,20 @@ def load_profile(path: str | Path) -> CalibrationProfile:
 def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
     """Write ``profile`` as indented JSON (what :func:`load_profile` reads)."""
     Path(path).write_text(profile.model_dump_json(indent=2) + "\n")
+
+
+# Kernel fits shipped per hardware preset, written by ``kvsim calibrate --vidur`` on Vidur's
+# public operator profiles (file name: the preset's name, lower case).
+KERNEL_FITS_DIR = Path(__file__).parent / "kernel_fits"
+
+
+@cache
+def _shipped(name: str) -> CalibrationProfile | None:
+    path = KERNEL_FITS_DIR / f"{name.lower()}.json"
+    return load_profile(path) if path.is_file() else None
+
+
+def shipped_profile(hardware: Hardware) -> CalibrationProfile | None:
+    """The kernel fit shipped for ``hardware``'s name (H100-SXM-80GB, A100-80GB), which a run
+    without ``--calibration`` uses; None for hardware without measurements (the roofline)."""
+    return _shipped(hardware.name)

@@ -50,6 +50,14 @@ class Hardware(KvsimModel):
         "tensor-parallel all-reduce goes over PCIe.",
     )
 
+    sm_count: int | None = Field(
+        None,
+        ge=1,
+        le=10_000,
+        description="Streaming multiprocessors; the kernel cost model sizes its waves by it "
+        "(None: unknown, the roofline prices steps).",
+    )
+
     @model_validator(mode="after")
     def _check_nvlink(self) -> Hardware:
         nvlink = self.nvlink_bandwidth_bytes_per_s
@@ -80,6 +88,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     for hw in (
         Hardware(
             name="H100-SXM-80GB",
+            sm_count=132,
             source="NVIDIA H100 SXM datasheet; torch total_memory 81089 MiB (79.19 GiB)",
             hbm_bytes=81_089 * MIB,
             hbm_bandwidth_bytes_per_s=3.35e12,
@@ -89,6 +98,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="H200-141GB",
+            sm_count=132,
             # Measured on one H200 (validate/profiles/h200-llama-3.1-8b.json): 4.25 TB/s
             # device copy, 792-799 TFLOP/s bf16 matmul, 55.4 GB/s pinned host<->device each
             # way, total_memory 143155 MiB: the datasheet figures at efficiencies at or above
@@ -104,6 +114,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="A100-80GB",
+            sm_count=108,
             source="NVIDIA A100 SXM4 80GB datasheet; torch total_memory 81050 MiB (79.15 GiB)",
             hbm_bytes=81_050 * MIB,
             hbm_bandwidth_bytes_per_s=2.039e12,
@@ -113,6 +124,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="L40S-48GB",
+            sm_count=142,
             source="NVIDIA L40S datasheet (no NVLink); torch total_memory 45589 MiB (44.52 GiB)",
             hbm_bytes=45_589 * MIB,
             hbm_bandwidth_bytes_per_s=0.864e12,
@@ -122,6 +134,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="B200",
+            sm_count=148,
             source="NVIDIA DGX B200 datasheet; torch total_memory 182642 MiB (178.36 GiB)",
             hbm_bytes=182_642 * MIB,
             hbm_bandwidth_bytes_per_s=8.0e12,

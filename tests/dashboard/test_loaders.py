@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
 from dashboard.data import ALL_CLASSES, MAX_TIMELINE_POINTS
@@ -43,7 +44,9 @@ def test_build_view_of_a_simulated_run(small_runs: Path) -> None:
     assert "token_times_s" not in view.requests
     assert view.timeline.total == view.summary["metrics"]["num_steps"]
     assert len(view.timeline.frame) <= MAX_TIMELINE_POINTS + 1
-    assert view.preemptions.total == 2  # two steps preempted one request each
+    steps = pd.read_parquet(small_runs / "priority-small" / "steps.parquet")
+    preempting_steps = int((steps["num_preemptions"] > 0).sum())
+    assert view.preemptions.total == preempting_steps >= 1  # one row per preempting step
     assert set(view.cdfs["metric"]) == {"ttft", "itl", "e2e"}
     assert set(view.cdfs["priority_class"]) == {ALL_CLASSES, "interactive", "background"}
     itl_all = view.cdfs[(view.cdfs.metric == "itl") & (view.cdfs.priority_class == ALL_CLASSES)]

@@ -140,7 +140,7 @@ def test_cost_terms_price_every_step_time_parameter_once():
     assert len(set(params)) == len(params) == len({term.name for term in COST_TERMS})
     # Every other field either is not a step-time coefficient or is folded by the fit.
     others = set(CostParams.model_fields) - set(params)
-    assert others == {"mode", "allreduce_latency_s", "kv_transfer_efficiency"}
+    assert others == {"mode", "kernels", "allreduce_latency_s", "kv_transfer_efficiency"}
     assert [t.name for t in COST_TERMS if not t.fitted] == ["tokens"]
 
 

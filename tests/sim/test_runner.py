@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from sim.config.calibration import shipped_profile
 from sim.cost_model import CostModel, CostParams
 from sim.results import load_run, write_run
 from sim.runner import simulate
@@ -39,7 +40,10 @@ def test_lightly_loaded_engine_ttft_is_the_modelled_prefill_and_nothing_queues()
     scenario = parse_scenario(open_loop_scenario(), "theory")
     result = simulate(scenario)
     req = result.requests
-    cost = CostModel(scenario.model, scenario.hardware, 1)
+    # An H100 run without --calibration prices steps with the shipped kernel fit.
+    profile = shipped_profile(scenario.hardware)
+    assert profile is not None and profile.source == "vidur-operator-tables"
+    cost = CostModel(scenario.model, scenario.hardware, 1, profile.params)
     assert len(req) == 20 and req["finish_s"].notna().all()
     assert (req["queue_s"] == 0).all()
     assert req["ttft_s"].to_numpy() == pytest.approx(cost.prefill_time_s(512), rel=1e-12)

@@ -1,0 +1,284 @@
+"""GPU kernel times of a decoder's non-attention operators, from shapes and fitted parameters.
+
+The roofline prices a decode step at its weight-read time; measured GPUs are slower there, and
+not smoothly (Vidur's H100/A100 operator profiles, ``benchmarks/bench_gpu_cost_model.py``).
+This module prices each operator of a decoder layer from its shape, the GPU's datasheet figures
+and SM count, and a handful of parameters fitted per GPU (``validate/kernel_fit.py``):
+
+GEMMs (QKV, attention output, gate+up, down, lm_head), ``M`` tokens x ``K`` -> ``N``, per GPU
+of a ``tp``-way group. A GEMM library picks, per shape, the fastest of a few kernels; each
+kernel ``(tile_m, tile_n, split_k)`` of :data:`KERNEL_CONFIGS` runs
+``ctas = ceil(M / tile_m) * ceil(N / tile_n) * split_k`` thread blocks in
+``waves = ceil(ctas / sm_count)`` waves::
+
+    compute_s = waves * sm_count * 2 * tile_m * tile_n * (K / split_k) / (F * compute_efficiency)
+    memory_s  = bytes / (BW * bandwidth_efficiency) / min(1, ctas / (sm_count * full_ctas))^g
+    kernel_s  = (compute_s^p + memory_s^p)^(1/p)       (a soft max: p large -> max)
+    gemm_s    = floor_s + min over kernels of kernel_s
+
+``bytes`` are the weights, the input and the output (split-K writes and reads partial sums).
+Wave quantization gives the steps (one more token can add a whole wave); the occupancy term
+gives the achieved bandwidth that falls when a small shard (high TP, small N) leaves SMs idle;
+``floor_s`` is the launch and tail of one kernel.
+
+Element-wise operators (norms, RoPE, activation, residual add, embedding gather) cost a floor
+plus their bytes at a fitted bandwidth. A tensor-parallel all-reduce of ``bytes`` costs
+``latency_s + bytes / bandwidth`` fitted per TP degree from NCCL measurements (the nearest
+fitted degree serves one that was not measured).
+
+Attention is not here: no attention measurements were given, so the cost model keeps pricing it
+from first principles (KV bytes read per decode, FLOPs per prefill).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
+
+# (tile_m, tile_n, split_k) candidates: CUTLASS/cuBLAS-like tiles, split-K for skinny GEMMs.
+KERNEL_CONFIGS: tuple[tuple[int, int, int], ...] = (
+    (64, 64, 1),
+    (64, 128, 1),
+    (128, 128, 1),
+    (128, 256, 1),
+    (64, 128, 2),
+    (64, 128, 4),
+    (64, 64, 4),
+    (64, 64, 8),
+)
+
+# Element-wise operator kinds, and the Vidur table columns each is fitted on.
+ELEMENTWISE_KINDS = ("layernorm", "rope", "activation", "residual_add", "embedding")
+
+
+class GemmFit(BaseModel):
+    """Fitted parameters of the GEMM model (see module docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    floor_s: float = Field(ge=0, description="Launch and tail of one GEMM kernel.")
+    compute_efficiency: float = Field(gt=0, description="Fraction of peak FLOP/s per wave.")
+    bandwidth_efficiency: float = Field(gt=0, description="Fraction of peak HBM bandwidth.")
+    full_ctas_per_sm: float = Field(
+        gt=0, description="Thread blocks per SM from which the kernel reaches full bandwidth."
+    )
+    occupancy_exponent: float = Field(
+        ge=0, description="How fast bandwidth falls below full occupancy (0: it does not)."
+    )
+    overlap_exponent: float = Field(
+        ge=1, description="p of the soft max of compute and memory time (large: a hard max)."
+    )
+
+
+class ElementwiseFit(BaseModel):
+    """An element-wise operator: ``floor_s + bytes / (BW * bandwidth_efficiency)``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    floor_s: float = Field(ge=0, description="Launch and tail of the kernel.")
+    bandwidth_efficiency: float = Field(gt=0, description="Fraction of peak HBM bandwidth.")
+
+
+class AllReduceFit(BaseModel):
+    """One tensor-parallel all-reduce of ``bytes``: ``latency_s + bytes / bandwidth``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    tensor_parallel_size: int = Field(ge=2, description="GPUs in the all-reduce.")
+    latency_s: float = Field(ge=0, description="Time of an empty all-reduce.")
+    bandwidth_bytes_per_s: float = Field(gt=0, description="Message bytes per second.")
+
+
+class KernelParams(BaseModel):
+    """Kernel-level parameters of one GPU, fitted on operator measurements."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    gemm: GemmFit
+    elementwise: dict[str, ElementwiseFit] = Field(
+        description=f"By kind: {', '.join(ELEMENTWISE_KINDS)}."
+    )
+    allreduce: list[AllReduceFit] = Field(
+        default_factory=list, description="By TP degree; empty: no all-reduce measurements."
+    )
+
+    def allreduce_fit(self, tensor_parallel_size: int) -> AllReduceFit | None:
+        """The fit measured at the TP degree nearest ``tensor_parallel_size`` (ties: the
+        larger), or None without measurements."""
+        if not self.allreduce:
+            return None
+        return min(
+            self.allreduce,
+            key=lambda fit: (
+                abs(math.log2(fit.tensor_parallel_size / tensor_parallel_size)),
+                -fit.tensor_parallel_size,
+            ),
+        )
+
+
+class LayerShape(NamedTuple):
+    """Per-GPU operator shapes of one dense decoder layer under ``tp``-way TP."""
+
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    gated: bool
+    vocab: int
+    tp: int
+    dtype_bytes: int = 2
+
+    def gemms(self) -> dict[str, tuple[int, int]]:
+        """(K, N) of each GEMM of the layer, by Vidur's operator name."""
+        tp, hd = self.tp, self.head_dim
+        kv_heads = max(1, self.kv_heads // tp)
+        up = (2 if self.gated else 1) * self.intermediate // tp
+        return {
+            "attn_pre_proj": (self.hidden, (self.q_heads // tp + 2 * kv_heads) * hd),
+            "attn_post_proj": (self.q_heads // tp * hd, self.hidden),
+            "mlp_up_proj": (self.hidden, up),
+            "mlp_down_proj": (self.intermediate // tp, self.hidden),
+        }
+
+    def elementwise_bytes(self) -> dict[str, tuple[str, float]]:
+        """(kind, bytes per token) of each element-wise operator, by Vidur's operator name."""
+        b, h, tp = self.dtype_bytes, self.hidden, self.tp
+        qk = (self.q_heads // tp + max(1, self.kv_heads // tp)) * self.head_dim
+        act_in = (2 if self.gated else 1) * self.intermediate // tp
+        return {
+            "input_layernorm": ("layernorm", 2 * b * h),
+            "post_attention_layernorm": ("layernorm", 2 * b * h),
+            "attn_rope": ("rope", 2 * b * qk),
+            "mlp_act": ("activation", b * (act_in + self.intermediate // tp)),
+            "add": ("residual_add", 3 * b * h),
+        }
+
+
+def gemm_time_s(
+    m: np.ndarray,
+    k: np.ndarray | float,
+    n: np.ndarray | float,
+    fit: GemmFit,
+    sm_count: int,
+    flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+    dtype_bytes: int = 2,
+) -> np.ndarray:
+    """Seconds of ``m`` x ``k`` -> ``n`` GEMMs, elementwise over the arrays (see module
+    docstring)."""
+    m = np.asarray(m, dtype=float)
+    k = np.asarray(k, dtype=float)
+    n = np.asarray(n, dtype=float)
+    p = fit.overlap_exponent
+    best = np.full(np.broadcast(m, k, n).shape, np.inf)
+    for tile_m, tile_n, split_k in KERNEL_CONFIGS:
+        partials = 1 + 2 * split_k if split_k > 1 else 1
+        nbytes = dtype_bytes * (k * n + m * k + m * n * partials)
+        ctas = np.ceil(m / tile_m) * np.ceil(n / tile_n) * split_k
+        waves = np.ceil(ctas / sm_count)
+        compute_s = waves * sm_count * 2.0 * tile_m * tile_n * (k / split_k) / flops_per_s
+        compute_s = compute_s / fit.compute_efficiency
+        occupancy = np.minimum(1.0, ctas / (sm_count * fit.full_ctas_per_sm))
+        memory_s = nbytes / (bandwidth_bytes_per_s * fit.bandwidth_efficiency)
+        memory_s = memory_s / occupancy**fit.occupancy_exponent
+        kernel_s = (compute_s**p + memory_s**p) ** (1.0 / p)
+        best = np.minimum(best, kernel_s)
+    return fit.floor_s + best
+
+
+def elementwise_time_s(
+    nbytes: np.ndarray, fit: ElementwiseFit, bandwidth_bytes_per_s: float
+) -> np.ndarray:
+    """Seconds of an element-wise operator moving ``nbytes``."""
+    return fit.floor_s + np.asarray(nbytes, dtype=float) / (
+        bandwidth_bytes_per_s * fit.bandwidth_efficiency
+    )
+
+
+def allreduce_time_s(nbytes: np.ndarray, fit: AllReduceFit) -> np.ndarray:
+    """Seconds of one all-reduce of ``nbytes`` per GPU."""
+    return fit.latency_s + np.asarray(nbytes, dtype=float) / fit.bandwidth_bytes_per_s
+
+
+class OperatorTimer:
+    """Non-attention seconds of a whole step (embedding, every layer's operators and
+    all-reduces, lm_head) for a model on one GPU type; cached per token count."""
+
+    def __init__(
+        self,
+        shape: LayerShape,
+        num_layers: int,
+        params: KernelParams,
+        sm_count: int,
+        flops_per_s: float,
+        bandwidth_bytes_per_s: float,
+    ) -> None:
+        self.shape, self.num_layers, self.params = shape, num_layers, params
+        self._hw = (sm_count, flops_per_s, bandwidth_bytes_per_s)
+        self._allreduce = params.allreduce_fit(shape.tp) if shape.tp > 1 else None
+        self._body_cache: dict[int, float] = {}
+        self._lm_head_cache: dict[int, float] = {}
+
+    def gemms_time_s(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Seconds of one layer's four GEMMs per token count."""
+        sm_count, flops, bw = self._hw
+        m = np.asarray(num_tokens, dtype=float)
+        total = np.zeros(m.shape)
+        for k, n in self.shape.gemms().values():
+            total += gemm_time_s(
+                m, k, n, self.params.gemm, sm_count, flops, bw, self.shape.dtype_bytes
+            )
+        return total
+
+    def layer_time_s(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Seconds of one layer's non-attention operators (no all-reduce) per token count."""
+        _, _, bw = self._hw
+        m = np.asarray(num_tokens, dtype=float)
+        total = self.gemms_time_s(m)
+        for kind, per_token in self.shape.elementwise_bytes().values():
+            total += elementwise_time_s(m * per_token, self.params.elementwise[kind], bw)
+        return total
+
+    def allreduce_time_s(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Seconds of one all-reduce of the activations of ``num_tokens`` (0 without TP)."""
+        m = np.asarray(num_tokens, dtype=float)
+        if self._allreduce is None:
+            return np.zeros(m.shape)
+        return allreduce_time_s(m * self.shape.hidden * self.shape.dtype_bytes, self._allreduce)
+
+    def body_time_s(self, num_tokens: int) -> float:
+        """Embedding plus all layers (operators and two all-reduces each) for one step."""
+        cached = self._body_cache.get(num_tokens)
+        if cached is None:
+            m = np.array([num_tokens], dtype=float)
+            _, _, bw = self._hw
+            embedding = elementwise_time_s(
+                m * 2 * self.shape.dtype_bytes * self.shape.hidden,
+                self.params.elementwise["embedding"],
+                bw,
+            )
+            layers = self.num_layers * (self.layer_time_s(m) + 2 * self.allreduce_time_s(m))
+            cached = self._body_cache[num_tokens] = float((embedding + layers)[0])
+        return cached
+
+    def lm_head_time_s(self, num_rows: int) -> float:
+        """The lm_head GEMM over ``num_rows`` rows (vLLM computes logits per request)."""
+        cached = self._lm_head_cache.get(num_rows)
+        if cached is None:
+            sm_count, flops, bw = self._hw
+            time_s = gemm_time_s(
+                np.array([num_rows], dtype=float),
+                self.shape.hidden,
+                self.shape.vocab / self.shape.tp,
+                self.params.gemm,
+                sm_count,
+                flops,
+                bw,
+                self.shape.dtype_bytes,
+            )
+            cached = self._lm_head_cache[num_rows] = float(time_s[0])
+        return cached

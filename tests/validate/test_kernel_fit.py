@@ -1,0 +1,140 @@
+"""Fitting GPU kernel parameters on Vidur-format operator tables (kvsim calibrate --vidur)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli import app
+from sim.config.calibration import load_profile
+from sim.config.hardware import resolve_hardware
+from sim.errors import KvsimConfigError
+from sim.gpu_kernels import GemmFit, gemm_time_s
+from validate.kernel_fit import (
+    fit_gemm,
+    fit_kernel_params,
+    fit_roofline,
+    measured_layer_s,
+    predicted_layer_s,
+    roofline_layer_s,
+)
+from validate.vidur_tables import OperatorTables, read_tables
+
+VIDUR = Path(__file__).parent / "data" / "vidur"
+H100 = resolve_hardware("H100-SXM-80GB")
+runner = CliRunner()
+
+
+def test_tables_are_read_tidy_with_duplicates_reduced_to_their_median() -> None:
+    tables = read_tables(VIDUR, "h100")
+    assert tables.models == ["CodeLlama-34b-Instruct-hf", "Llama-2-7b-hf", "phi-2"]
+    layers = tables.layers
+    # 2048 and 4096 tokens were measured twice per TP degree in the original table.
+    assert not layers.duplicated(["model", "num_tokens", "num_tensor_parallel_workers"]).any()
+    phi = layers[layers["model"] == "phi-2"]
+    assert phi["post_attention_layernorm"].isna().all()  # parallel attention + MLP
+    assert (layers["attn_pre_proj"] > 0).all() and (layers["attn_pre_proj"] < 1e-2).all()
+    assert set(tables.allreduce["tensor_parallel_size"]) == {2}
+
+
+def test_bad_folders_and_tables_are_one_message(tmp_path: Path) -> None:
+    with pytest.raises(KvsimConfigError, match="no compute/ folder"):
+        read_tables(tmp_path, "h100")
+    with pytest.raises(KvsimConfigError, match="GPUs there: h100"):
+        read_tables(VIDUR, "b200")
+    bad = tmp_path / "compute" / "h100" / "org" / "model"
+    bad.mkdir(parents=True)
+    (bad / "mlp.csv").write_text("num_tokens,n_head\n1,32\n")
+    with pytest.raises(KvsimConfigError, match="lacks column"):
+        read_tables(tmp_path, "h100")
+
+
+def test_the_gemm_fit_recovers_the_parameters_that_generated_the_times() -> None:
+    truth = GemmFit(
+        floor_s=4e-6,
+        compute_efficiency=0.7,
+        bandwidth_efficiency=0.85,
+        full_ctas_per_sm=1.5,
+        occupancy_exponent=0.6,
+        overlap_exponent=3.0,
+    )
+    rng = np.random.default_rng(0)
+    m = rng.choice([1, 8, 64, 128, 136, 256, 512, 1024, 4096], 400).astype(float)
+    k = rng.choice([2560, 4096, 8192, 11008], 400).astype(float)
+    n = rng.choice([1024, 4096, 12288, 22016], 400).astype(float)
+    time_s = gemm_time_s(m, k, n, truth, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s)
+    fitted = fit_gemm(pd.DataFrame({"m": m, "k": k, "n": n, "time_s": time_s}), H100)
+    predicted = gemm_time_s(
+        m, k, n, fitted, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
+    )
+    assert np.abs(predicted / time_s - 1).max() < 0.01
+    assert fitted.compute_efficiency == pytest.approx(0.7, rel=0.05)
+    assert fitted.floor_s == pytest.approx(4e-6, rel=0.1)
+
+
+def test_a_model_left_out_of_the_fit_is_predicted_from_its_shapes() -> None:
+    tables = read_tables(VIDUR, "h100")
+    held = "Llama-2-7b-hf"
+    train = OperatorTables("h100", tables.layers[tables.layers["model"] != held], tables.allreduce)
+    test = tables.layers[tables.layers["model"] == held]
+    params = fit_kernel_params(train, H100)
+    measured = measured_layer_s(test)
+    error = np.abs(predicted_layer_s(test, params, H100) / measured - 1)
+    roofline_error = np.abs(roofline_layer_s(test, H100, 0.6, 0.8) / measured - 1)
+    assert np.median(error) < 0.08 and error.max() < 0.35
+    assert np.median(error) < np.median(roofline_error)
+    compute, bandwidth = fit_roofline(train.layers, H100)
+    assert 0.2 < compute <= 1 and 0.2 < bandwidth <= 1
+
+
+def test_calibrate_vidur_writes_a_profile_that_runs(tmp_path: Path) -> None:
+    out = tmp_path / "h100.json"
+    result = runner.invoke(
+        app, ["calibrate", "--vidur", str(VIDUR), "--gpu", "h100", "-o", str(out)]
+    )
+    assert result.exit_code == 0, result.output
+    assert "fitted kernel parameters of H100-SXM-80GB" in result.output
+    profile = load_profile(out)
+    assert profile.source == "vidur-operator-tables" and profile.params.mode == "operators"
+    assert profile.params.kernels is not None
+    assert [f.tensor_parallel_size for f in profile.params.kernels.allreduce] == [2]
+    run_dir = tmp_path / "run"
+    result = runner.invoke(
+        app,
+        [
+            "run",
+            "scenarios/chat-rag-baseline.yaml",
+            "--calibration",
+            str(out),
+            "--set",
+            "workload.num_requests=30",
+            "--out",
+            str(run_dir),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["calibration"]["source"] == "vidur-operator-tables"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--gpu", "h100"], "either run directories or --vidur"),
+        (["--vidur", str(VIDUR), "--gpu", "tpu"], "GPUs there: h100"),
+        (["--vidur", str(VIDUR), "--gpu", "h100", "--hardware", "nope"], "not a preset"),
+    ],
+)
+def test_calibrate_vidur_refuses_bad_arguments(
+    tmp_path: Path, args: list[str], message: str
+) -> None:
+    result = runner.invoke(app, ["calibrate", *args, "-o", str(tmp_path / "p.json")])
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "p.json").exists()

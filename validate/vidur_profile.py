@@ -1,0 +1,66 @@
+"""``kvsim calibrate --vidur``: a calibration profile from Vidur-format operator tables.
+
+The profile has the format of one fitted on replayed vLLM runs (``sim/config/calibration.py``)
+with ``source: vidur-operator-tables``: cost parameters in mode ``operators`` carrying the
+fitted :class:`~sim.gpu_kernels.KernelParams`. The shipped H100 and A100 profiles
+(``sim/config/kernel_fits/``) were written by this command on Vidur's public profiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from sim.config.calibration import CalibrationProfile
+from sim.config.hardware import Hardware, resolve_hardware
+from sim.cost_model import CostParams
+from sim.errors import KvsimConfigError
+from validate.kernel_fit import (
+    fit_kernel_params,
+    fit_roofline,
+    measured_layer_s,
+    predicted_layer_s,
+)
+from validate.vidur_tables import read_tables
+
+# Vidur's GPU folder names and the kvsim hardware presets they measured.
+VIDUR_GPUS = {"h100": "H100-SXM-80GB", "a100": "A100-80GB"}
+SOURCE = "vidur-operator-tables"
+
+
+def vidur_profile(
+    root: str | Path, gpu: str, hardware: Hardware | None = None
+) -> CalibrationProfile:
+    """Fit every kernel parameter of ``gpu`` on the tables under ``root``."""
+    tables = read_tables(root, gpu)
+    if hardware is None:
+        if gpu not in VIDUR_GPUS:
+            raise KvsimConfigError(
+                f"--gpu {gpu!r} has no hardware preset to pair with; pass --hardware "
+                f"(known Vidur GPUs: {', '.join(VIDUR_GPUS)})"
+            )
+        hardware = resolve_hardware(VIDUR_GPUS[gpu])
+    kernels = fit_kernel_params(tables, hardware)
+    compute_eff, bandwidth_eff = fit_roofline(tables.layers, hardware)
+    measured = measured_layer_s(tables.layers)
+    predicted = predicted_layer_s(tables.layers, kernels, hardware)
+    keep = ~np.isnan(measured)
+    error = np.abs(predicted[keep] / measured[keep] - 1) * 100
+    return CalibrationProfile(
+        params=CostParams(mode="operators", kernels=kernels),
+        hardware=hardware.name,
+        model=", ".join(tables.models),
+        vllm_version="n/a (operator kernels, not vLLM)",
+        tensor_parallel_size=1,
+        fit={
+            "mape": float(error.mean()),
+            "median_abs_pct_error": float(np.median(error)),
+            "max_abs_pct_error": float(error.max()),
+            "roofline_compute_efficiency": compute_eff,
+            "roofline_bandwidth_efficiency": bandwidth_eff,
+        },
+        num_steps=int(keep.sum()),
+        created_by=f"kvsim calibrate --vidur {Path(root).name} --gpu {gpu}",
+        source=SOURCE,
+    )
