@@ -40,9 +40,9 @@ def run(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Simulate a scenario; write its run directory and print the summary."""
-    from sim.config.calibration import load_profile
+    from sim.config.calibration import hardware_warning, load_profile
     from sim.config.sizing import kv_cache_summary
-    from sim.report import summary_table
+    from sim.report import step_time_source, summary_table
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
@@ -55,8 +55,15 @@ def run(
         spec = load_scenario(scenario, set_ or [])
         check_runnable(spec, str(scenario))
         profile = load_profile(calibration) if calibration is not None else None
-        warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
-        if warning:
+        warnings = (
+            [
+                profile.budget_warning(spec.engine.max_num_batched_tokens),
+                hardware_warning(profile, spec.hardware.name),
+            ]
+            if profile
+            else []
+        )
+        for warning in filter(None, warnings):
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         out_dir = claim_run_dir(out) if out else claim_new_run_dir(Path("runs"), spec.name)
         started = time.perf_counter()
@@ -103,6 +110,7 @@ def run(
         raise
     console.print(summary_table(result.summary))
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}", highlight=False)
+    console.print(step_time_source(result.summary), highlight=False)
     sim_s = result.summary["duration_s"]
     console.print(
         f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "

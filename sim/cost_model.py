@@ -238,8 +238,9 @@ class CostModel:
         self._operators = _operator_timer(model, hardware, tp, params)
         # Megatron-style TP: one all-reduce after attention, one after the MLP, per layer;
         # a ring all-reduce moves 2 (tp - 1) / tp of the activations through each GPU's link.
-        # (Mode "operators" prices them in its operator timer.)
-        num_allreduces = 2 * model.num_hidden_layers if tp > 1 and not self._operators else 0
+        # (Mode "operators" prices them from its all-reduce fit when it has one.)
+        timer_allreduce = self._operators is not None and self._operators.prices_allreduce
+        num_allreduces = 2 * model.num_hidden_layers if tp > 1 and not timer_allreduce else 0
         allreduce_bytes_per_token = model.hidden_size * dtype_bytes * 2 * (tp - 1) / tp
         link_bw = hardware.allreduce_bandwidth_bytes_per_s
         self._allreduce_fixed_s = num_allreduces * params.allreduce_latency_s
@@ -309,14 +310,15 @@ class CostModel:
         num_tokens = shape.num_prefill_tokens + shape.num_decode_reqs
         if num_tokens == 0:
             return 0.0
-        if self._operators is not None:
+        if self._operators is not None and self._operators.prices_allreduce:
             per_layer = 2 * self._operators.allreduce_time_s(np.array([num_tokens]))[0]
             return float(self.model.num_hidden_layers * per_layer)
         return self._allreduce_fixed_s + self._allreduce_s_per_token * num_tokens
 
     def allreduce_transfer_time_s(self, shape: BatchShape) -> float:
         """The part of :meth:`allreduce_time_s` that grows with the batch's tokens (the fit
-        keeps it at the datasheet link bandwidth; the latency lands in its step overhead)."""
+        keeps it at the datasheet link bandwidth; the latency lands in its step overhead).
+        0 in mode "operators" when its all-reduce fit prices the whole all-reduce."""
         return self._allreduce_s_per_token * (shape.num_prefill_tokens + shape.num_decode_reqs)
 
     def features(

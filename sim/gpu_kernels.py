@@ -13,13 +13,17 @@ kernel ``(tile_m, tile_n, split_k)`` of :data:`KERNEL_CONFIGS` runs
 
     compute_s = waves * sm_count * 2 * tile_m * tile_n * (K / split_k) / (F * compute_efficiency)
     memory_s  = bytes / (BW * bandwidth_efficiency) / min(1, ctas / (sm_count * full_ctas))^g
-    kernel_s  = (compute_s^p + memory_s^p)^(1/p)       (a soft max: p large -> max)
+    tile_s    = ctas * (tile_m + tile_n) * (K / split_k) * dtype_bytes
+                / (BW * tile_bandwidth_factor)
+    kernel_s  = (compute_s^p + memory_s^p + tile_s^p)^(1/p)   (a soft max: p large -> max)
     gemm_s    = floor_s + min over kernels of kernel_s
 
-``bytes`` are the weights, the input and the output (split-K writes and reads partial sums).
-Wave quantization gives the steps (one more token can add a whole wave); the occupancy term
-gives the achieved bandwidth that falls when a small shard (high TP, small N) leaves SMs idle;
-``floor_s`` is the launch and tail of one kernel.
+``bytes`` are the weights, the input and the output (split-K also writes and reads back fp32
+partial sums). Wave quantization gives the steps (one more token can add a whole wave); the
+occupancy term lowers the bandwidth of a GEMM so small that even split eight ways it leaves
+SMs idle; ``tile_s`` charges each thread block for streaming its input tiles (mostly from L2),
+which favours large tiles for large GEMMs; ``floor_s`` is the launch and tail of one kernel,
+and what mostly makes small TP shards read at a lower bandwidth.
 
 Element-wise operators (norms, RoPE, activation, residual add, embedding gather) cost a floor
 plus their bytes at a fitted bandwidth. A tensor-parallel all-reduce of ``bytes`` costs
@@ -33,10 +37,11 @@ from first principles (KV bytes read per decode, FLOPs per prefill).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 # (tile_m, tile_n, split_k) candidates: CUTLASS/cuBLAS-like tiles, split-K for skinny GEMMs.
 KERNEL_CONFIGS: tuple[tuple[int, int, int], ...] = (
@@ -44,6 +49,7 @@ KERNEL_CONFIGS: tuple[tuple[int, int, int], ...] = (
     (64, 128, 1),
     (128, 128, 1),
     (128, 256, 1),
+    (256, 128, 1),
     (64, 128, 2),
     (64, 128, 4),
     (64, 64, 4),
@@ -70,6 +76,12 @@ class GemmFit(BaseModel):
     )
     overlap_exponent: float = Field(
         ge=1, description="p of the soft max of compute and memory time (large: a hard max)."
+    )
+    tile_bandwidth_factor: float = Field(
+        1e9,
+        gt=0,
+        description="Bandwidth, in multiples of HBM's, at which thread blocks stream their "
+        "input tiles (mostly from L2): small tiles re-read the inputs more often.",
     )
 
 
@@ -105,9 +117,24 @@ class KernelParams(BaseModel):
         default_factory=list, description="By TP degree; empty: no all-reduce measurements."
     )
 
+    @model_validator(mode="after")
+    def _every_kind_once(self) -> KernelParams:
+        kinds = set(self.elementwise)
+        if kinds != set(ELEMENTWISE_KINDS):
+            missing = ", ".join(k for k in ELEMENTWISE_KINDS if k not in kinds) or "none"
+            extra = ", ".join(sorted(kinds - set(ELEMENTWISE_KINDS))) or "none"
+            raise ValueError(
+                f"elementwise must fit each of {', '.join(ELEMENTWISE_KINDS)} "
+                f"(missing: {missing}; unknown: {extra})"
+            )
+        degrees = [fit.tensor_parallel_size for fit in self.allreduce]
+        if len(set(degrees)) != len(degrees):
+            raise ValueError(f"allreduce has a TP degree twice: {degrees}")
+        return self
+
     def allreduce_fit(self, tensor_parallel_size: int) -> AllReduceFit | None:
-        """The fit measured at the TP degree nearest ``tensor_parallel_size`` (ties: the
-        larger), or None without measurements."""
+        """The fit measured at the TP degree nearest ``tensor_parallel_size`` in log2 (ties:
+        the larger), or None without measurements."""
         if not self.allreduce:
             return None
         return min(
@@ -176,8 +203,9 @@ def gemm_time_s(
     p = fit.overlap_exponent
     best = np.full(np.broadcast(m, k, n).shape, np.inf)
     for tile_m, tile_n, split_k in KERNEL_CONFIGS:
-        partials = 1 + 2 * split_k if split_k > 1 else 1
-        nbytes = dtype_bytes * (k * n + m * k + m * n * partials)
+        # Split-K writes and reads back fp32 partial sums before the final output.
+        partial_bytes = 2 * 4 * split_k if split_k > 1 else 0
+        nbytes = dtype_bytes * (k * n + m * k + m * n) + partial_bytes * m * n
         ctas = np.ceil(m / tile_m) * np.ceil(n / tile_n) * split_k
         waves = np.ceil(ctas / sm_count)
         compute_s = waves * sm_count * 2.0 * tile_m * tile_n * (k / split_k) / flops_per_s
@@ -185,7 +213,9 @@ def gemm_time_s(
         occupancy = np.minimum(1.0, ctas / (sm_count * fit.full_ctas_per_sm))
         memory_s = nbytes / (bandwidth_bytes_per_s * fit.bandwidth_efficiency)
         memory_s = memory_s / occupancy**fit.occupancy_exponent
-        kernel_s = (compute_s**p + memory_s**p) ** (1.0 / p)
+        tile_bytes = dtype_bytes * ctas * (tile_m + tile_n) * (k / split_k)
+        tile_s = tile_bytes / (bandwidth_bytes_per_s * fit.tile_bandwidth_factor)
+        kernel_s = (compute_s**p + memory_s**p + tile_s**p) ** (1.0 / p)
         best = np.minimum(best, kernel_s)
     return fit.floor_s + best
 
@@ -223,6 +253,11 @@ class OperatorTimer:
         self._body_cache: dict[int, float] = {}
         self._lm_head_cache: dict[int, float] = {}
 
+    @property
+    def prices_allreduce(self) -> bool:
+        """Whether the fit has all-reduce measurements for this TP (False without TP)."""
+        return self._allreduce is not None
+
     def gemms_time_s(self, num_tokens: np.ndarray) -> np.ndarray:
         """Seconds of one layer's four GEMMs per token count."""
         sm_count, flops, bw = self._hw
@@ -250,35 +285,54 @@ class OperatorTimer:
             return np.zeros(m.shape)
         return allreduce_time_s(m * self.shape.hidden * self.shape.dtype_bytes, self._allreduce)
 
+    def body_times_s(self, num_tokens: np.ndarray) -> np.ndarray:
+        """Embedding plus all layers (operators and two all-reduces each) per token count."""
+        m = np.asarray(num_tokens, dtype=float)
+        _, _, bw = self._hw
+        embedding = elementwise_time_s(
+            m * 2 * self.shape.dtype_bytes * self.shape.hidden,
+            self.params.elementwise["embedding"],
+            bw,
+        )
+        return embedding + self.num_layers * (self.layer_time_s(m) + 2 * self.allreduce_time_s(m))
+
+    def lm_head_times_s(self, num_rows: np.ndarray) -> np.ndarray:
+        """The lm_head GEMM per row count (vLLM computes logits for every request)."""
+        sm_count, flops, bw = self._hw
+        return gemm_time_s(
+            np.asarray(num_rows, dtype=float),
+            self.shape.hidden,
+            self.shape.vocab / self.shape.tp,
+            self.params.gemm,
+            sm_count,
+            flops,
+            bw,
+            self.shape.dtype_bytes,
+        )
+
     def body_time_s(self, num_tokens: int) -> float:
-        """Embedding plus all layers (operators and two all-reduces each) for one step."""
+        """:meth:`body_times_s` of one step, priced a chunk of token counts at a time."""
         cached = self._body_cache.get(num_tokens)
         if cached is None:
-            m = np.array([num_tokens], dtype=float)
-            _, _, bw = self._hw
-            embedding = elementwise_time_s(
-                m * 2 * self.shape.dtype_bytes * self.shape.hidden,
-                self.params.elementwise["embedding"],
-                bw,
-            )
-            layers = self.num_layers * (self.layer_time_s(m) + 2 * self.allreduce_time_s(m))
-            cached = self._body_cache[num_tokens] = float((embedding + layers)[0])
+            _fill(self._body_cache, num_tokens, self.body_times_s)
+            cached = self._body_cache[num_tokens]
         return cached
 
     def lm_head_time_s(self, num_rows: int) -> float:
-        """The lm_head GEMM over ``num_rows`` rows (vLLM computes logits per request)."""
+        """:meth:`lm_head_times_s` of one step, priced a chunk of row counts at a time."""
         cached = self._lm_head_cache.get(num_rows)
         if cached is None:
-            sm_count, flops, bw = self._hw
-            time_s = gemm_time_s(
-                np.array([num_rows], dtype=float),
-                self.shape.hidden,
-                self.shape.vocab / self.shape.tp,
-                self.params.gemm,
-                sm_count,
-                flops,
-                bw,
-                self.shape.dtype_bytes,
-            )
-            cached = self._lm_head_cache[num_rows] = float(time_s[0])
+            _fill(self._lm_head_cache, num_rows, self.lm_head_times_s)
+            cached = self._lm_head_cache[num_rows]
         return cached
+
+
+# Token counts priced together on a cache miss: one vectorized call instead of one per count.
+_CHUNK = 256
+
+
+def _fill(cache: dict[int, float], key: int, price: Callable[[np.ndarray], np.ndarray]) -> None:
+    start = key - key % _CHUNK
+    counts = np.arange(max(start, 1), start + _CHUNK)  # 0 tokens: not a step
+    for count, time_s in zip(counts.tolist(), price(counts).tolist(), strict=True):
+        cache[count] = time_s

@@ -84,3 +84,25 @@ def capacity_table(summary: dict[str, Any]) -> Table:
 def summary_table(summary: dict[str, Any]) -> Group:
     """Both tables, as `kvsim run` prints them."""
     return Group(latency_table(summary), capacity_table(summary))
+
+
+def step_time_source(summary: dict[str, Any]) -> str:
+    """One line on what priced the run's steps: a calibration profile (its source, what it was
+    fitted on) or the datasheet roofline."""
+    profile = summary.get("calibration")
+    hardware = summary.get("hardware", "?")
+    if not profile:
+        return (
+            f"step times: datasheet roofline ({hardware} has no shipped kernel fit; "
+            "`kvsim calibrate` fits a profile)"
+        )
+    source = profile.get("source", "vllm")
+    if source == "vidur-operator-tables":
+        return (
+            f"step times: {profile.get('hardware', hardware)} kernel fit on public operator "
+            "measurements (Vidur), attention from first principles"
+        )
+    return (
+        f"step times: calibration profile ({source}) fitted on {profile.get('model', '?')} / "
+        f"{profile.get('hardware', '?')}"
+    )

@@ -81,7 +81,7 @@ def simulate(
     sizing = size_for(scenario)
     engine_cfg = scenario.engine
     if calibration is None:
-        calibration = shipped_profile(scenario.hardware)
+        calibration = shipped_profile(scenario.hardware, scenario.model)
     params = calibration.params if calibration is not None else CostParams()
     cost_model = CostModel(
         scenario.model, scenario.hardware, engine_cfg.tensor_parallel_size, params

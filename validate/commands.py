@@ -240,8 +240,8 @@ def calibrate_cmd(
         ),
     ] = None,
     gpu: Annotated[
-        str, typer.Option(help="With --vidur: the GPU folder to fit (h100, a100).")
-    ] = "h100",
+        str | None, typer.Option(help="With --vidur: the GPU folder to fit (default h100).")
+    ] = None,
     hardware: Annotated[
         str | None,
         typer.Option(help="With --vidur: the hardware preset measured (default: by --gpu)."),
@@ -259,6 +259,10 @@ def calibrate_cmd(
             raise KvsimConfigError(
                 "give either run directories or --vidur DIR (not both, not neither)"
             )
+        if vidur is None and (gpu is not None or hardware is not None):
+            raise KvsimConfigError("--gpu and --hardware only apply with --vidur DIR")
+        gpu = gpu or "h100"
+        notes: list[str] = []
         check_out_free(output, "-o")  # before fitting, which reads every run
         if vidur is not None:
             if importlib.util.find_spec("scipy") is None:
@@ -266,11 +270,12 @@ def calibrate_cmd(
                     "kvsim calibrate --vidur fits with scipy, which is not installed: "
                     "pip install 'kvsim[calibrate]'"
                 )
-            from validate.vidur_profile import vidur_profile
+            from validate.vidur_profile import vidur_profile, vidur_warnings
 
             hw = resolve_hardware(hardware) if hardware is not None else None
             with console.status(f"fitting kernel parameters on {vidur}/compute/{gpu} ..."):
                 profile = vidur_profile(vidur, gpu, hw)
+            notes = vidur_warnings(profile, gpu)
         else:
             profile = calibrate(runs or [])
         save_profile(profile, output)
@@ -280,6 +285,8 @@ def calibrate_cmd(
         raise fail(f"-o {output}: cannot write the profile ({exc})") from None
     fit = profile.fit
     if vidur is not None:
+        for warning in notes:
+            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         console.print(
             f"fitted kernel parameters of {profile.hardware} on {profile.num_steps} layer "
             f"measurements of {profile.model}: median {fit['median_abs_pct_error']:.1f}%, "

@@ -51,6 +51,7 @@ def _robust_fit(
 
 
 def sm_count_of(hardware: Hardware) -> int:
+    """``hardware.sm_count``, which the kernel model needs; a config error without it."""
     if hardware.sm_count is None:
         raise KvsimConfigError(
             f"hardware {hardware.name!r} has no sm_count: the kernel model needs the GPU's "
@@ -71,14 +72,23 @@ def gemm_samples(layers: pd.DataFrame) -> pd.DataFrame:
     for op in GEMM_OPS:
         kn = np.array([shape.gemms()[op] for shape in shapes], dtype=float)
         parts.append(
-            pd.DataFrame({"m": m, "k": kn[:, 0], "n": kn[:, 1], "time_s": layers[op].to_numpy()})
+            pd.DataFrame(
+                {
+                    "m": m,
+                    "k": kn[:, 0],
+                    "n": kn[:, 1],
+                    "time_s": layers[op].to_numpy(),
+                    "row": np.arange(len(layers)),
+                }
+            )
         )
     return pd.concat(parts, ignore_index=True).dropna()
 
 
 def _gemm_fit(theta: np.ndarray) -> GemmFit:
-    floor, inv_bw, inv_compute, full_ctas, exponent, overlap = theta
+    floor, inv_bw, inv_compute, full_ctas, exponent, overlap, tile_bw = theta
     return GemmFit(
+        tile_bandwidth_factor=float(np.exp(tile_bw)),
         floor_s=float(np.exp(floor)),
         bandwidth_efficiency=float(np.exp(-inv_bw)),
         compute_efficiency=float(np.exp(-inv_compute)),
@@ -88,22 +98,33 @@ def _gemm_fit(theta: np.ndarray) -> GemmFit:
     )
 
 
-def fit_gemm(samples: pd.DataFrame, hardware: Hardware) -> GemmFit:
-    """The GEMM parameters that best price ``samples`` on ``hardware``."""
+def fit_gemm(
+    samples: pd.DataFrame,
+    hardware: Hardware,
+    layer_s: np.ndarray | None = None,
+    other_s: np.ndarray | None = None,
+) -> GemmFit:
+    """The GEMM parameters that best price ``samples`` on ``hardware``: each GEMM's time, or
+    with ``layer_s`` each layer's (its GEMMs, by the samples' ``row``, plus ``other_s``)."""
     sm_count = sm_count_of(hardware)
     m, k, n = (samples[c].to_numpy(dtype=float) for c in ("m", "k", "n"))
     measured = samples["time_s"].to_numpy(dtype=float)
+    rows = samples["row"].to_numpy(dtype=int) if layer_s is not None else None
     flops, bw = hardware.bf16_flops_per_s, hardware.hbm_bandwidth_bytes_per_s
 
     def residuals(theta: np.ndarray) -> np.ndarray:
         predicted = gemm_time_s(m, k, n, _gemm_fit(theta), sm_count, flops, bw)
-        return np.log(predicted / measured)
+        if layer_s is None:
+            return np.log(predicted / measured)
+        total = np.bincount(rows, predicted, minlength=len(layer_s)) + other_s
+        keep = ~np.isnan(layer_s)
+        return np.log(total[keep] / layer_s[keep])
 
     theta = _robust_fit(
         residuals,
-        x0=[np.log(4e-6), 0.1, 0.3, 0.0, 0.5, np.log(4.0)],
-        lower=[np.log(1e-8), 0.0, 0.0, -3.0, 0.0, 0.0],
-        upper=[np.log(1e-4), 3.0, 3.0, 3.0, 2.0, np.log(20.0)],
+        x0=[np.log(4e-6), 0.1, 0.3, 0.0, 0.5, np.log(4.0), np.log(5.0)],
+        lower=[np.log(1e-8), 0.0, 0.0, -3.0, 0.0, 0.0, 0.0],
+        upper=[np.log(1e-4), 3.0, 3.0, 3.0, 2.0, np.log(20.0), np.log(100.0)],
     )
     return _gemm_fit(theta)
 
@@ -181,9 +202,19 @@ def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParam
     """Every kernel parameter of one GPU from its operator and all-reduce tables."""
     if tables.layers.empty:
         raise KvsimConfigError(f"no operator measurements for GPU {tables.gpu!r}")
+    layers = tables.layers.reset_index(drop=True)
+    elementwise = fit_elementwise(elementwise_samples(layers), hardware)
+    bw = hardware.hbm_bandwidth_bytes_per_s
+    other_s = np.zeros(len(layers))
+    for i, row in layers.iterrows():
+        for op, (kind, per_token) in layer_shape(row).elementwise_bytes().items():
+            if op in layers.columns and not np.isnan(row[op]):
+                other_s[i] += float(
+                    elementwise_time_s(row["num_tokens"] * per_token, elementwise[kind], bw)
+                )
     return KernelParams(
-        gemm=fit_gemm(gemm_samples(tables.layers), hardware),
-        elementwise=fit_elementwise(elementwise_samples(tables.layers), hardware),
+        gemm=fit_gemm(gemm_samples(layers), hardware, measured_layer_s(layers), other_s),
+        elementwise=elementwise,
         allreduce=fit_allreduce(tables.allreduce),
     )
 
@@ -191,7 +222,9 @@ def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParam
 def measured_layer_s(layers: pd.DataFrame) -> np.ndarray:
     """Each row's measured non-attention layer time: the sum of the operators it has."""
     ops = [op for op in (*GEMM_OPS, *ELEMENTWISE_OPS) if op in layers.columns]
-    return layers[ops].sum(axis=1, min_count=len(GEMM_OPS)).to_numpy(dtype=float)
+    total = layers[ops].sum(axis=1).to_numpy(dtype=float, copy=True)
+    total[layers[list(GEMM_OPS)].isna().any(axis=1).to_numpy()] = np.nan  # not a whole layer
+    return total
 
 
 def predicted_layer_s(layers: pd.DataFrame, params: KernelParams, hardware: Hardware) -> np.ndarray:

@@ -175,7 +175,11 @@ def build_report(
 ) -> ValidationReport:
     """The simulation against the measured runs (against their median when repeated), with
     each run's step times against the cost parameters the simulation used."""
-    profile = load_profile(calibration) if calibration else shipped_profile(scenario.hardware)
+    profile = (
+        load_profile(calibration)
+        if calibration
+        else shipped_profile(scenario.hardware, scenario.model)
+    )
     params = profile.params if profile else CostParams()
     warning = profile.budget_warning(scenario.engine.max_num_batched_tokens) if profile else None
     return ValidationReport(
@@ -183,7 +187,9 @@ def build_report(
         sim_run=str(sim.path),
         real_runs=[str(r.path) for r in reals],
         vllm_version=str(reals[0].summary.get("vllm_version", "?")),
-        calibration=str(calibration) if calibration else None,
+        calibration=str(calibration)
+        if calibration
+        else (f"shipped kernel fit for {profile.hardware}" if profile else None),
         rows=compare_to_runs(sim.summary, [r.summary for r in reals]),
         step_time_ratios=[step_time_ratio(r, scenario, params) for r in reals],
         warnings=[warning] if warning else [],

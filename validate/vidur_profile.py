@@ -61,6 +61,27 @@ def vidur_profile(
             "roofline_bandwidth_efficiency": bandwidth_eff,
         },
         num_steps=int(keep.sum()),
-        created_by=f"kvsim calibrate --vidur {Path(root).name} --gpu {gpu}",
+        created_by=f"kvsim calibrate --vidur {root} --gpu {gpu}",
         source=SOURCE,
     )
+
+
+def vidur_warnings(profile: CalibrationProfile, gpu: str) -> list[str]:
+    """What a user should know about a profile ``vidur_profile`` wrote: hardware other than
+    the preset the tables measured, no all-reduce measurements."""
+    notes = []
+    expected = VIDUR_GPUS.get(gpu)
+    if expected is not None and profile.hardware != expected:
+        notes.append(
+            f"--hardware {profile.hardware} is not {expected}, the GPU Vidur's {gpu} tables "
+            f"measured: the fit's efficiencies are relative to {profile.hardware}'s datasheet "
+            f"figures (median error {profile.fit['median_abs_pct_error']:.1f}% per layer)"
+        )
+    kernels = profile.params.kernels
+    if kernels is not None and not kernels.allreduce:
+        notes.append(
+            f"no network/{gpu}_dgx/all_reduce.csv measurements within one node: tensor-parallel "
+            "runs with this profile price all-reduce with the datasheet link bandwidth and "
+            "allreduce_latency_s"
+        )
+    return notes

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from sim.errors import KvsimConfigError
@@ -27,6 +28,9 @@ POINT_COLUMNS = ("num_tokens", "num_tensor_parallel_workers")
 GEMM_OPS = ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")
 ELEMENTWISE_OPS = ("input_layernorm", "post_attention_layernorm", "attn_rope", "mlp_act", "add")
 EMBEDDING_OP = "emb"
+# Every operator a fit needs: the GEMMs and one column of each element-wise kind (the
+# post-attention norm is optional: phi-2 has none).
+REQUIRED_OPS = (*GEMM_OPS, "input_layernorm", "attn_rope", "mlp_act", "add", EMBEDDING_OP)
 MS = 1e-3
 
 
@@ -73,6 +77,28 @@ def _read_csv(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
     return frame
 
 
+def _check_numbers(
+    frame: pd.DataFrame, path: Path, positive_ints: tuple[str, ...], times: tuple[str, ...]
+) -> None:
+    """Dimensions must be positive integers and times positive and finite; the first bad
+    value is named with its file, column and row."""
+    for column in (*positive_ints, *times):
+        values = pd.to_numeric(frame[column], errors="coerce")
+        if column in positive_ints:
+            bad = values.isna() | (values <= 0) | (values != values.round())
+            what = "a positive integer"
+        else:
+            bad = frame[column].notna() & ~(np.isfinite(values) & (values > 0))
+            what = "a positive, finite time in ms"
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            value = frame[column].iloc[row]
+            value = value.item() if isinstance(value, np.generic) else value
+            raise KvsimConfigError(
+                f"operator table {path}, column {column}, row {row + 2}: {value!r} is not {what}"
+            )
+
+
 def read_layers(root: Path, gpu: str) -> pd.DataFrame:
     """Every model's ``mlp.csv`` under ``root/compute/<gpu>`` as one frame (seconds)."""
     files = sorted((root / "compute" / gpu).glob("*/*/mlp.csv"))
@@ -84,14 +110,18 @@ def read_layers(root: Path, gpu: str) -> pd.DataFrame:
         )
     frames = []
     for path in files:
-        frame = _read_csv(path, (*SHAPE_COLUMNS, *POINT_COLUMNS))
+        required = [f"time_stats.{op}.median" for op in REQUIRED_OPS]
+        frame = _read_csv(path, (*SHAPE_COLUMNS, *POINT_COLUMNS, *required))
         ops = [
             op
             for op in (*GEMM_OPS, *ELEMENTWISE_OPS, EMBEDDING_OP)
             if f"time_stats.{op}.median" in frame.columns
         ]
-        if not set(GEMM_OPS) <= set(ops):
-            raise KvsimConfigError(f"operator table {path} lacks the GEMM operators {GEMM_OPS}")
+        dims = tuple(c for c in (*SHAPE_COLUMNS, *POINT_COLUMNS) if c != "use_gated_mlp")
+        _check_numbers(frame, path, dims, tuple(f"time_stats.{op}.median" for op in ops))
+        for column in required:
+            if frame[column].isna().any():
+                raise KvsimConfigError(f"operator table {path}: column {column} has empty cells")
         tidy = frame[[*SHAPE_COLUMNS, *POINT_COLUMNS]].copy()
         for op in ops:
             tidy[op] = frame[f"time_stats.{op}.median"] * MS
@@ -109,6 +139,12 @@ def read_allreduce(root: Path, gpu: str) -> pd.DataFrame:
         return pd.DataFrame(columns=["tensor_parallel_size", "bytes", "time_s"])
     frame = _read_csv(
         path, ("time_stats.all_reduce.median", "size", "num_workers", "devices_per_node")
+    )
+    _check_numbers(
+        frame,
+        path,
+        ("size", "num_workers", "devices_per_node"),
+        ("time_stats.all_reduce.median",),
     )
     frame = frame[frame["devices_per_node"] == frame["num_workers"]]
     tidy = pd.DataFrame(

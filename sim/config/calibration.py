@@ -16,7 +16,8 @@ from pathlib import Path
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
-from sim.config.hardware import Hardware
+from sim.config.hardware import HARDWARE_PRESETS, Hardware
+from sim.config.model import ModelGeometry
 from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError, format_validation_error
 
@@ -74,6 +75,18 @@ class CalibrationProfile(BaseModel):
         )
 
 
+def hardware_warning(profile: CalibrationProfile, hardware_name: str) -> str | None:
+    """Why step times may be off when ``profile`` prices a run on ``hardware_name``, or None
+    when the profile was fitted on hardware of that name."""
+    if profile.hardware == hardware_name:
+        return None
+    return (
+        f"the calibration profile was fitted on {profile.hardware}, not {hardware_name}: its "
+        "fitted costs (and, for a kernel fit, its all-reduce measurements) describe that "
+        "hardware"
+    )
+
+
 def load_profile(path: str | Path) -> CalibrationProfile:
     """Read a calibration profile written by :func:`save_profile`; errors name file and field."""
     path = Path(path)
@@ -93,17 +106,25 @@ def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
 
 
 # Kernel fits shipped per hardware preset, written by ``kvsim calibrate --vidur`` on Vidur's
-# public operator profiles (file name: the preset's name, lower case).
+# public operator profiles.
 KERNEL_FITS_DIR = Path(__file__).parent / "kernel_fits"
+KERNEL_FIT_FILES = {"H100-SXM-80GB": "h100-sxm-80gb.json", "A100-80GB": "a100-80gb.json"}
 
 
 @cache
-def _shipped(name: str) -> CalibrationProfile | None:
-    path = KERNEL_FITS_DIR / f"{name.lower()}.json"
-    return load_profile(path) if path.is_file() else None
+def _shipped(name: str) -> CalibrationProfile:
+    return load_profile(KERNEL_FITS_DIR / KERNEL_FIT_FILES[name])
 
 
-def shipped_profile(hardware: Hardware) -> CalibrationProfile | None:
-    """The kernel fit shipped for ``hardware``'s name (H100-SXM-80GB, A100-80GB), which a run
-    without ``--calibration`` uses; None for hardware without measurements (the roofline)."""
+def shipped_profile(
+    hardware: Hardware, model: ModelGeometry | None = None
+) -> CalibrationProfile | None:
+    """The kernel fit shipped for ``hardware``, which a run without ``--calibration`` uses:
+    only for the preset itself (an inline copy with other figures is other hardware) and a
+    dense model (the kernel model has no expert GEMMs); None otherwise (the roofline)."""
+    preset = HARDWARE_PRESETS.get(hardware.name)
+    if hardware.name not in KERNEL_FIT_FILES or hardware != preset:
+        return None
+    if model is not None and model.active_params < model.num_params:
+        return None
     return _shipped(hardware.name)

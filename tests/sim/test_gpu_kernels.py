@@ -79,16 +79,29 @@ def test_decode_is_slower_than_the_weight_read_and_tiny_kernels_cost_their_floor
 
 
 def test_achieved_bandwidth_falls_with_the_shard_size() -> None:
-    kernels = h100_kernels()
     bw = H100.hbm_bandwidth_bytes_per_s
 
-    def achieved(k: int, n: int) -> float:
-        time_s = gemm_time_s(np.array([1.0]), k, n, kernels.gemm, 132, H100.bf16_flops_per_s, bw)
+    def achieved(fit: GemmFit, k: int, n: int) -> float:
+        time_s = gemm_time_s(np.array([1.0]), k, n, fit, 132, H100.bf16_flops_per_s, bw)
         return 2 * k * n / float(time_s[0])
 
-    full, half, eighth = achieved(4096, 22016), achieved(4096, 11008), achieved(4096, 2752)
-    assert full > half > eighth
-    assert eighth < 0.7 * full
+    shards = [(4096, 22016), (4096, 11008), (4096, 2752)]  # gate+up of 7B at TP 1, 2, 8
+    fitted = [achieved(h100_kernels().gemm, k, n) for k, n in shards]
+    assert fitted[0] > fitted[1] > fitted[2] and fitted[2] < 0.7 * fitted[0]
+    # Beyond the per-kernel floor, a GEMM too small to fill the SMs even split eight ways
+    # (512 x 512: 64 thread blocks on 132 SMs) reads at a lower bandwidth; with the
+    # occupancy exponent at 0 it would not.
+    synthetic = GemmFit(
+        floor_s=0.0,
+        compute_efficiency=0.8,
+        bandwidth_efficiency=0.9,
+        full_ctas_per_sm=1.0,
+        occupancy_exponent=1.0,
+        overlap_exponent=4.0,
+    )
+    assert achieved(synthetic, 512, 512) < 0.6 * achieved(synthetic, 4096, 22016)
+    flat = synthetic.model_copy(update={"occupancy_exponent": 0.0})
+    assert achieved(flat, 512, 512) == pytest.approx(achieved(flat, 4096, 22016), rel=0.1)
 
 
 def test_allreduce_uses_the_nearest_measured_degree_and_costs_latency_at_one_token() -> None:
@@ -99,7 +112,7 @@ def test_allreduce_uses_the_nearest_measured_degree_and_costs_latency_at_one_tok
     params = h100_kernels().model_copy(update={"allreduce": fits})
     assert params.allreduce_fit(2).tensor_parallel_size == 2
     assert params.allreduce_fit(16).tensor_parallel_size == 8
-    assert params.allreduce_fit(3).tensor_parallel_size == 4  # ties go to the larger
+    assert params.allreduce_fit(3).tensor_parallel_size == 4  # nearest in log2
     assert params.model_copy(update={"allreduce": []}).allreduce_fit(2) is None
     tp4 = OperatorTimer(
         LLAMA2_7B_LAYER._replace(tp=4),
@@ -164,3 +177,119 @@ def test_kernel_params_reject_impossible_values() -> None:
         )
     with pytest.raises(pydantic.ValidationError):
         ElementwiseFit(floor_s=1e-6, bandwidth_efficiency=0)
+
+
+def test_a_run_says_what_priced_its_steps() -> None:
+    from sim.report import step_time_source
+    from sim.runner import simulate
+    from sim.scenario import parse_scenario
+
+    def run(hardware: str, **engine: object) -> dict:
+        scenario = parse_scenario(
+            {
+                "name": "source",
+                "model": "Llama-3.1-8B",
+                "hardware": hardware,
+                "engine": {"max_model_len": 4096, **engine},
+                "workload": {
+                    "kind": "open_loop",
+                    "num_requests": 3,
+                    "arrival": {"kind": "poisson", "rate_per_s": 1.0},
+                    "prompt_tokens": {"kind": "fixed", "value": 64},
+                    "output_tokens": {"kind": "fixed", "value": 4},
+                },
+            },
+            "source",
+        )
+        return simulate(scenario).summary
+
+    h100 = run("H100-SXM-80GB")
+    assert h100["calibration"]["source"] == "vidur-operator-tables"
+    assert "H100-SXM-80GB kernel fit" in step_time_source(h100)
+    h200 = run("H200-141GB")
+    assert h200["calibration"] is None
+    assert "datasheet roofline (H200-141GB" in step_time_source(h200)
+    measured = {**h200, "calibration": {"source": "vllm", "model": "tiny", "hardware": "cpu"}}
+    assert (
+        step_time_source(measured) == "step times: calibration profile (vllm) fitted on tiny / cpu"
+    )
+
+
+def test_gqa_kv_heads_are_replicated_when_tp_exceeds_them() -> None:
+    shape = LayerShape(8192, 64, 8, 128, 28672, True, 128256, 16)
+    k, n = shape.gemms()["attn_pre_proj"]
+    assert (k, n) == (8192, (64 // 16 + 2 * 1) * 128)
+
+
+def test_operator_step_time_is_kernels_plus_attention_plus_overheads() -> None:
+    model = resolve_model("Llama-3.1-8B")
+    params = shipped_profile(H100).params
+    cost = CostModel(model, H100, 1, params)
+    timer = OperatorTimer(
+        LayerShape(4096, 32, 8, 128, 14336, True, model.vocab_size, 1),
+        32,
+        params.kernels,
+        132,
+        H100.bf16_flops_per_s,
+        H100.hbm_bandwidth_bytes_per_s,
+    )
+    shape = BatchShape(num_decode_reqs=16, decode_context_tokens=16 * 4000)
+    kv_read_s = (
+        model.kv_bytes_per_token(1)
+        * (16 * 4000 + 16)
+        / (H100.hbm_bandwidth_bytes_per_s * params.bandwidth_efficiency)
+    )
+    attention_flops_s = (
+        4
+        * 32
+        * 32
+        * 128
+        * 16
+        * 4000
+        / (H100.bf16_flops_per_s * params.attention_compute_efficiency)
+    )
+    expected = (
+        timer.body_time_s(16)
+        + timer.lm_head_time_s(16)
+        + max(kv_read_s, attention_flops_s)
+        + params.step_overhead_s
+        + 16 * params.per_request_overhead_s
+    )
+    assert cost.step_time_s(shape) == pytest.approx(expected, rel=1e-12)
+
+
+def test_tp_without_allreduce_measurements_keeps_the_roofline_allreduce() -> None:
+    model = resolve_model("Llama-3.1-8B")
+    params = shipped_profile(H100).params
+    kernels = params.kernels.model_copy(update={"allreduce": []})
+    bare = params.model_copy(update={"kernels": kernels})
+    roofline = CostModel(model, H100, 2, CostParams())
+    shape = BatchShape(num_decode_reqs=8, decode_context_tokens=8000)
+    assert CostModel(model, H100, 2, bare).allreduce_time_s(shape) == pytest.approx(
+        roofline.allreduce_time_s(shape)
+    )
+    assert roofline.allreduce_time_s(shape) > 0
+
+
+def test_the_shipped_fit_is_for_the_preset_itself_and_dense_models() -> None:
+    tweaked = H100.model_copy(update={"hbm_bytes": H100.hbm_bytes // 2})
+    assert shipped_profile(tweaked) is None
+    dense = resolve_model("Llama-3.1-8B")
+    moe = dense.model_copy(update={"num_active_params": dense.num_params // 4})
+    assert shipped_profile(H100, dense) is not None
+    assert shipped_profile(H100, moe) is None
+
+
+def test_shipped_fits_leave_the_non_kernel_parameters_at_their_defaults() -> None:
+    for name in ("H100-SXM-80GB", "A100-80GB"):
+        params = shipped_profile(resolve_hardware(name)).params
+        assert params.model_dump(exclude={"mode", "kernels"}) == CostParams().model_dump(
+            exclude={"mode", "kernels"}
+        )
+
+
+def test_kernel_params_need_every_elementwise_kind() -> None:
+    kernels = h100_kernels().model_dump()
+    del kernels["elementwise"]["embedding"]
+    with pytest.raises(pydantic.ValidationError, match="missing: embedding"):
+        KernelParams.model_validate(kernels)

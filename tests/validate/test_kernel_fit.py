@@ -62,6 +62,7 @@ def test_the_gemm_fit_recovers_the_parameters_that_generated_the_times() -> None
         full_ctas_per_sm=1.5,
         occupancy_exponent=0.6,
         overlap_exponent=3.0,
+        tile_bandwidth_factor=8.0,
     )
     rng = np.random.default_rng(0)
     m = rng.choice([1, 8, 64, 128, 136, 256, 512, 1024, 4096], 400).astype(float)
@@ -128,6 +129,7 @@ def test_calibrate_vidur_writes_a_profile_that_runs(tmp_path: Path) -> None:
         (["--gpu", "h100"], "either run directories or --vidur"),
         (["--vidur", str(VIDUR), "--gpu", "tpu"], "GPUs there: h100"),
         (["--vidur", str(VIDUR), "--gpu", "h100", "--hardware", "nope"], "not a preset"),
+        (["runs/x", "--gpu", "a100"], "--gpu and --hardware only apply with --vidur"),
     ],
 )
 def test_calibrate_vidur_refuses_bad_arguments(
@@ -138,3 +140,60 @@ def test_calibrate_vidur_refuses_bad_arguments(
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "message"),
+    [
+        ("n_head", 0, "column n_head, row 2: 0 is not a positive integer"),
+        ("num_tensor_parallel_workers", "abc", "'abc' is not a positive integer"),
+        ("time_stats.mlp_act.median", -1.0, "-1.0 is not a positive, finite time in ms"),
+        ("time_stats.attn_pre_proj.median", None, "attn_pre_proj.median has empty cells"),
+    ],
+)
+def test_bad_values_in_a_table_name_file_column_and_row(
+    tmp_path: Path, column: str, value: object, message: str
+) -> None:
+    src = VIDUR / "compute" / "h100" / "meta-llama" / "Llama-2-7b-hf" / "mlp.csv"
+    dst = tmp_path / "compute" / "h100" / "meta-llama" / "Llama-2-7b-hf" / "mlp.csv"
+    dst.parent.mkdir(parents=True)
+    frame = pd.read_csv(src)
+    frame[column] = frame[column].astype(object)
+    frame.loc[0, column] = value
+    frame.to_csv(dst, index=False)
+    with pytest.raises(KvsimConfigError) as error:
+        read_tables(tmp_path, "h100")
+    assert message in str(error.value) and str(dst) in str(error.value)
+
+
+def test_calibrate_warns_about_other_hardware_and_missing_allreduce(tmp_path: Path) -> None:
+    compute_only = tmp_path / "vidur"
+    (compute_only / "compute").mkdir(parents=True)
+    for model in ("meta-llama", "codellama"):
+        src = VIDUR / "compute" / "h100" / model
+        dst = compute_only / "compute" / "h100" / model
+        dst.mkdir(parents=True)
+        for path in src.rglob("mlp.csv"):
+            target = dst / path.parent.name
+            target.mkdir()
+            (target / "mlp.csv").write_text(path.read_text())
+    out = tmp_path / "p.json"
+    result = runner.invoke(
+        app,
+        [
+            "calibrate",
+            "--vidur",
+            str(compute_only),
+            "--gpu",
+            "h100",
+            "--hardware",
+            "H200-141GB",
+            "-o",
+            str(out),
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "--hardware H200-141GB is not H100-SXM-80GB" in text
+    assert "no network/h100_dgx/all_reduce.csv measurements" in text
+    assert load_profile(out).params.kernels.allreduce == []
