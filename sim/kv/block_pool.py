@@ -22,11 +22,16 @@ from collections.abc import Iterable, Sequence
 from itertools import compress, islice, repeat
 from operator import add, attrgetter, eq, is_not, not_, sub
 
+import numpy as np
+
 # The pool's bulk operations walk thousands of blocks per call (a long agent context is
 # touched on admission and freed on finish): they iterate with map() and friends, in C.
 _block_id = attrgetter("block_id")
 _ref_cnt = attrgetter("ref_cnt")
 _block_hash = attrgetter("block_hash")
+
+# Evicted hashes the pool logs between two prefix lookups (see BlockPool.eviction_log).
+EVICTION_LOG_CAP = 4096
 
 
 def _consume(iterator: Iterable[object]) -> None:
@@ -69,6 +74,10 @@ class BlockPool:
         self.duplicate_blocks: dict[int, dict[int, KVBlock]] = {}
         self.null_block = self.free_queue.popitem(last=False)[1]
         self.num_evicted_blocks = 0
+        # The hashes evicted since the KV cache manager last emptied this log (its prefix
+        # lookup memo reads it), up to EVICTION_LOG_CAP of them: when more pile up the log
+        # is incomplete (shorter than the eviction count says) and the memo is dropped.
+        self.eviction_log: list[int] = []
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -102,12 +111,14 @@ class BlockPool:
             for h, b in self.first_cached_block.items()
         }
 
-    def cached_block_ids(self) -> list[int]:
+    def cached_block_ids(self) -> np.ndarray:
         """Ids of every block registered in the prefix cache, free or owned."""
-        ids = list(map(_block_id, self.first_cached_block.values()))
-        for holders in self.duplicate_blocks.values():
-            ids.extend(list(holders)[1:])
-        return ids
+        first = self.first_cached_block
+        ids = np.fromiter(map(_block_id, first.values()), np.int64, count=len(first))
+        if not self.duplicate_blocks:
+            return ids
+        more = [block_id for holders in self.duplicate_blocks.values() for block_id in holders]
+        return np.union1d(ids, np.asarray(more, dtype=np.int64))
 
     def free_block_ids(self) -> list[int]:
         """Free queue order, front (allocated next) first."""
@@ -126,15 +137,17 @@ class BlockPool:
             _consume(map(free_queue.__delitem__, map(_block_id, out)))
         if self.enable_caching:
             hashes = list(map(_block_hash, out))
-            hashed = list(map(is_not, hashes, repeat(None)))
-            if any(hashed):
-                first = self.first_cached_block
+            if hashes.count(None) != num_blocks:
+                hashed = list(map(is_not, hashes, repeat(None)))
                 if self.duplicate_blocks:
                     for block in compress(out, hashed):
                         self.evict(block)
                 else:
-                    _consume(map(first.__delitem__, compress(hashes, hashed)))
-                    self.num_evicted_blocks += hashed.count(True)
+                    evicted = list(compress(hashes, hashed))
+                    _consume(map(self.first_cached_block.__delitem__, evicted))
+                    self.num_evicted_blocks += len(evicted)
+                    if len(self.eviction_log) < EVICTION_LOG_CAP:
+                        self.eviction_log += evicted
                     _consume(map(setattr, out, repeat("block_hash"), repeat(None)))
         _consume(map(setattr, out, repeat("ref_cnt"), repeat(1)))
         return out
@@ -153,6 +166,8 @@ class BlockPool:
                 del self.duplicate_blocks[block_hash]
         block.block_hash = None
         self.num_evicted_blocks += 1
+        if len(self.eviction_log) < EVICTION_LOG_CAP:
+            self.eviction_log.append(block_hash)
 
     def touch(self, blocks: Sequence[KVBlock]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
@@ -175,27 +190,23 @@ class BlockPool:
         """
         blocks = list(ordered_blocks)
         refs = list(map(_ref_cnt, blocks))
-        assert 0 not in refs, blocks
-        num_last = refs.count(1)
-        if num_last == len(refs):  # the common case: a finished request's own blocks
+        if refs.count(1) == len(refs):  # the common case: a finished request's own blocks
             _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)))
         else:
+            assert 0 not in refs, blocks
             _consume(map(setattr, blocks, repeat("ref_cnt"), map(sub, refs, repeat(1))))
-            if not num_last:
-                return
             blocks = list(compress(blocks, map(eq, refs, repeat(1))))
-        ids = list(map(_block_id, blocks))
-        null_id = self.null_block.block_id
-        if null_id in ids:
-            blocks = [b for b in blocks if b.block_id != null_id]
-            ids = list(map(_block_id, blocks))
+            if not blocks:
+                return
         free_queue = self.free_queue
         if self.enable_caching:
-            hashed = list(map(is_not, map(_block_hash, blocks), repeat(None)))
-            if all(hashed):
-                free_queue.update(zip(ids, blocks, strict=True))
+            hashes = list(map(_block_hash, blocks))
+            if None not in hashes:
+                free_queue.update(zip(map(_block_id, blocks), blocks, strict=True))
                 return
-            free_queue.update(zip(compress(ids, hashed), compress(blocks, hashed), strict=True))
+            hashed = list(map(is_not, hashes, repeat(None)))
+            kept = list(compress(blocks, hashed))
+            free_queue.update(zip(map(_block_id, kept), kept, strict=True))
             evict_first = list(compress(blocks, map(not_, hashed)))
         else:
             evict_first = blocks
@@ -213,6 +224,13 @@ class BlockPool:
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
         first = self.first_cached_block
+        if num_full_blocks - num_cached_blocks == 1:  # a decode filled its last block
+            block = blocks[num_cached_blocks]
+            block_hash = block_hashes[num_cached_blocks]
+            assert block.block_hash is None, block
+            block.block_hash = block_hash
+            self._register(block, block_hash)
+            return
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         assert not any(map(is_not, map(_block_hash, new_blocks), repeat(None))), new_blocks
@@ -220,10 +238,13 @@ class BlockPool:
         if not any(map(first.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
             first.update(zip(new_hashes, new_blocks, strict=True))
             return
-        for block, block_hash in zip(new_blocks, new_hashes, strict=True):
-            holder = first.get(block_hash)
-            if holder is None:
-                first[block_hash] = block
-            else:
-                holders = self.duplicate_blocks.setdefault(block_hash, {holder.block_id: holder})
-                holders[block.block_id] = block
+        _consume(map(self._register, new_blocks, new_hashes))
+
+    def _register(self, block: KVBlock, block_hash: int) -> None:
+        """Map a hash to its block (a second holder of a cached hash is a duplicate)."""
+        holder = self.first_cached_block.get(block_hash)
+        if holder is None:
+            self.first_cached_block[block_hash] = block
+        else:
+            holders = self.duplicate_blocks.setdefault(block_hash, {holder.block_id: holder})
+            holders[block.block_id] = block

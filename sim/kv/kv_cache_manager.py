@@ -8,12 +8,28 @@ Read with ``vllm/v1/core/kv_cache_manager.py`` and ``single_type_kv_cache_manage
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import repeat
 from operator import attrgetter
 
 from sim.kv.block_pool import BlockPool, KVBlock
 from sim.request import Request, RequestStatus
 
 _ref_cnt = attrgetter("ref_cnt")
+
+
+class _LookupMemo:
+    """The last prefix lookup: its request, the block count it could hit, the pool's
+    eviction count it is valid at, its hits, and (built on first need) the position of
+    each of the request's first ``max_blocks`` hashes."""
+
+    __slots__ = ("hits", "max_blocks", "position", "request", "version")
+
+    def __init__(self, request: Request, max_blocks: int, version: int, hits: list[KVBlock]):
+        self.request = request
+        self.max_blocks = max_blocks
+        self.version = version
+        self.hits = hits
+        self.position: dict[int, int] | None = None
 
 
 def cdiv(a: int, b: int) -> int:
@@ -39,8 +55,8 @@ class KVCacheManager:
         self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.req_to_blocks: dict[str, list[KVBlock]] = {}
         self.num_cached_block: dict[str, int] = {}
-        # get_computed_blocks' last answer: (request, max blocks, pool evictions, hits).
-        self._lookup_memo: tuple[Request, int, int, list[KVBlock]] | None = None
+        # get_computed_blocks' last answer.
+        self._lookup_memo: _LookupMemo | None = None
 
     @property
     def usage(self) -> float:
@@ -65,12 +81,24 @@ class KVCacheManager:
         hashes = request.block_hashes
         # The scheduler asks again for the head of the queue every step it cannot admit it.
         # Registrations only add hashes and only an eviction changes a hash's first block,
-        # so with no eviction since the last answer for this request its hits still stand:
-        # look further from its first miss.
+        # so the last answer for this request still stands up to its first hit whose hash
+        # was evicted since (the pool logs them): look further from there.
         version = pool.num_evicted_blocks
+        log = pool.eviction_log
         memo = self._lookup_memo
-        if memo is not None and memo[0] is request and memo[1] == max_blocks and memo[2] == version:
-            hits = memo[3]
+        if memo is not None and memo.request is request and memo.max_blocks == max_blocks:
+            hits = memo.hits
+            if version != memo.version:
+                if hits:
+                    position = memo.position
+                    if position is None:
+                        position = dict(zip(hashes[:max_blocks], range(max_blocks), strict=True))
+                        memo.position = position
+                    if version - memo.version != len(log) or len(position) != max_blocks:
+                        del hits[:]  # the log overflowed (or a hash repeats): look up all
+                    else:
+                        del hits[min(map(position.get, log, repeat(max_blocks))) :]
+                memo.version = version
             num_hits = len(hits)
             if num_hits < max_blocks and get(hashes[num_hits]) is not None:
                 more = list(map(get, hashes[num_hits:max_blocks]))
@@ -82,7 +110,8 @@ class KVCacheManager:
             hits = list(map(get, hashes[:max_blocks]))
             if None in hits:
                 del hits[hits.index(None) :]
-        self._lookup_memo = (request, max_blocks, version, hits)
+            self._lookup_memo = _LookupMemo(request, max_blocks, version, hits)
+        log.clear()
         return list(hits), len(hits) * self.block_size
 
     # -- allocation ---------------------------------------------------------------------------

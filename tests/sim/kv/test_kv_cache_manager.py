@@ -7,6 +7,7 @@ where a later call depends on it.
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 from sim.kv.kv_cache_manager import KVCacheManager
@@ -298,3 +299,68 @@ def test_prefix_caching_disabled_no_hits_and_frees_to_the_front() -> None:
 
     kv.free(first)
     assert kv.block_pool.free_block_ids() == [3, 2, 1, 7, 8, 9]
+
+
+def fresh_lookup(kv: KVCacheManager, request: Request) -> list[int]:
+    """The prefix hit block ids with no memo from earlier lookups."""
+    kv._lookup_memo = None
+    return [b.block_id for b in kv.get_computed_blocks(request)[0]]
+
+
+def test_repeated_lookup_sees_evictions_of_its_hits_and_new_registrations() -> None:
+    # A waiting request asks again every step; between asks, blocks it hit are evicted
+    # (popped from the free queue) and blocks it could hit are registered.
+    kv = make_manager(num_gpu_blocks=12)
+    owner = make_request("owner", 5 * BLOCK_SIZE)
+    admit(kv, owner)  # blocks 1-5 cached, under the owner's hashes
+    kv.free(owner)  # free queue: 6..11 (never used), then 5, 4, 3, 2, 1 (tail first)
+    waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+    asked = [b.block_id for b in kv.get_computed_blocks(waiting)[0]]
+    assert asked == [1, 2, 3, 4, 5]
+    kv.block_pool.get_new_blocks(8)  # 6..11, then 5 and 4: the owner's blocks 4 and 5 go
+    assert kv.block_pool.eviction_log  # the manager reads it on the next lookup
+    assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
+    assert fresh_lookup(kv, waiting) == [1, 2, 3]
+    assert kv.block_pool.eviction_log == []
+
+
+def test_repeated_lookup_after_the_eviction_log_overflowed_looks_everything_up() -> None:
+    from sim.kv import block_pool
+
+    kv = make_manager(num_gpu_blocks=12)
+    owner = make_request("owner", 5 * BLOCK_SIZE)
+    admit(kv, owner)
+    kv.free(owner)
+    waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+    assert len(kv.get_computed_blocks(waiting)[0]) == 5
+    cap, block_pool.EVICTION_LOG_CAP = block_pool.EVICTION_LOG_CAP, 0
+    try:
+        kv.block_pool.get_new_blocks(8)
+    finally:
+        block_pool.EVICTION_LOG_CAP = cap
+    assert kv.block_pool.eviction_log == []  # incomplete: two evictions, none logged
+    assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
+
+
+def test_memoized_lookup_matches_a_fresh_one_under_random_churn() -> None:
+    # Between two lookups of the waiting request, other requests register blocks (some
+    # duplicating cached hashes), free them, and take free blocks (evicting cached ones).
+    rng = random.Random(5)
+    kv = make_manager(num_gpu_blocks=40, max_model_len=4096)
+    pool = kv.block_pool
+    shared = list(range(50_000, 50_000 + 12 * BLOCK_SIZE))
+    waiting = make_request("waiting", tokens=shared + [9] * 3)
+    num_hits = set()
+    for round_ in range(300):
+        if rng.random() < 0.6:
+            cut = rng.randrange(1, 13) * BLOCK_SIZE
+            other = make_request(f"o{round_}", tokens=shared[:cut] + [round_] * rng.randrange(40))
+            if kv.allocate_slots(other, other.num_tokens, full_sequence_must_fit=True):
+                kv.free(other)
+        else:
+            taken = pool.get_new_blocks(rng.randrange(1, pool.num_free_blocks + 1))
+            pool.free_blocks(reversed(taken))
+        memoized = [b.block_id for b in kv.get_computed_blocks(waiting)[0]]
+        assert memoized == fresh_lookup(kv, waiting), round_
+        num_hits.add(len(memoized))
+    assert len(num_hits) > 5  # the hits grew and shrank
