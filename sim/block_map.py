@@ -55,8 +55,9 @@ class BlockMapRecorder:
             return
         kv = scheduler.kv_cache_manager
         pool = kv.block_pool
-        states = np.zeros(pool.num_gpu_blocks, dtype=np.uint8)
-        states[pool.cached_block_ids()] = CACHED
+        # Every block in the prefix cache is free or owned by a running request, and the
+        # owned ones are marked next.
+        states = np.where(pool.cached_mask, CACHED, FREE).astype(np.uint8)
         owners = [
             (request.request_id, blocks)
             for request in scheduler.running

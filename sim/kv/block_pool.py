@@ -38,6 +38,11 @@ def _consume(iterator: Iterable[object]) -> None:
     deque(iterator, maxlen=0)
 
 
+def _ids(blocks: Iterable[KVBlock], count: int) -> np.ndarray:
+    """The ids of ``count`` blocks, as an index array."""
+    return np.fromiter(map(_block_id, blocks), np.int64, count=count)
+
+
 class KVBlock:
     """One block of ``block_size`` token slots in HBM."""
 
@@ -74,6 +79,9 @@ class BlockPool:
         self.duplicate_blocks: dict[int, dict[int, KVBlock]] = {}
         self.null_block = self.free_queue.popitem(last=False)[1]
         self.num_evicted_blocks = 0
+        # Which blocks are in the prefix cache (block_hash set), as one array: a block-map
+        # snapshot reads it whole instead of walking ~100k block objects.
+        self.cached_mask = np.zeros(num_gpu_blocks, dtype=bool)
         # The hashes evicted since the KV cache manager last emptied this log (its prefix
         # lookup memo reads it), up to EVICTION_LOG_CAP of them: when more pile up the log
         # is incomplete (shorter than the eviction count says) and the memo is dropped.
@@ -111,15 +119,6 @@ class BlockPool:
             for h, b in self.first_cached_block.items()
         }
 
-    def cached_block_ids(self) -> np.ndarray:
-        """Ids of every block registered in the prefix cache, free or owned."""
-        first = self.first_cached_block
-        ids = np.fromiter(map(_block_id, first.values()), np.int64, count=len(first))
-        if not self.duplicate_blocks:
-            return ids
-        more = [block_id for holders in self.duplicate_blocks.values() for block_id in holders]
-        return np.union1d(ids, np.asarray(more, dtype=np.int64))
-
     def free_block_ids(self) -> list[int]:
         """Free queue order, front (allocated next) first."""
         return list(self.free_queue)
@@ -144,6 +143,7 @@ class BlockPool:
                         self.evict(block)
                 else:
                     evicted = list(compress(hashes, hashed))
+                    self.cached_mask[_ids(compress(out, hashed), len(evicted))] = False
                     _consume(map(self.first_cached_block.__delitem__, evicted))
                     self.num_evicted_blocks += len(evicted)
                     if len(self.eviction_log) < EVICTION_LOG_CAP:
@@ -165,6 +165,7 @@ class BlockPool:
             if len(holders) == 1:
                 del self.duplicate_blocks[block_hash]
         block.block_hash = None
+        self.cached_mask[block.block_id] = False
         self.num_evicted_blocks += 1
         if len(self.eviction_log) < EVICTION_LOG_CAP:
             self.eviction_log.append(block_hash)
@@ -229,12 +230,14 @@ class BlockPool:
             block_hash = block_hashes[num_cached_blocks]
             assert block.block_hash is None, block
             block.block_hash = block_hash
+            self.cached_mask[block.block_id] = True
             self._register(block, block_hash)
             return
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         assert not any(map(is_not, map(_block_hash, new_blocks), repeat(None))), new_blocks
         _consume(map(setattr, new_blocks, repeat("block_hash"), new_hashes))
+        self.cached_mask[_ids(new_blocks, len(new_blocks))] = True
         if not any(map(first.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
             first.update(zip(new_hashes, new_blocks, strict=True))
             return

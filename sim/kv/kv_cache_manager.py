@@ -32,6 +32,18 @@ class _LookupMemo:
         self.position: dict[int, int] | None = None
 
 
+def _short(needed: int, hits: Sequence[KVBlock], num_free: int) -> bool:
+    """Whether ``needed`` free blocks plus one per prefix hit on a free (ref 0) block exceed
+    ``num_free``: touching a free hit takes it out of the free queue, so it costs a free
+    block like a fresh allocation. The hits are only counted when the bounds (none or all
+    of them free) do not decide."""
+    if needed > num_free:
+        return True
+    if needed + len(hits) <= num_free:
+        return False
+    return needed + list(map(_ref_cnt, hits)).count(0) > num_free
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -73,8 +85,13 @@ class KVCacheManager:
         Capped at ``num_tokens - 1``: with every token cached the last one must still be
         computed to produce logits, which recomputes its whole block.
         """
+        hits = self._lookup(request)
+        return list(hits), len(hits) * self.block_size
+
+    def _lookup(self, request: Request) -> list[KVBlock]:
+        """:meth:`get_computed_blocks`' hits, not copied: the memo's own list (read only)."""
         if not self.enable_caching:
-            return [], 0
+            return []
         max_blocks = (len(request.token_ids) - 1) // self.block_size
         pool = self.block_pool
         get = pool.first_cached_block.get
@@ -112,7 +129,7 @@ class KVCacheManager:
                 del hits[hits.index(None) :]
             self._lookup_memo = _LookupMemo(request, max_blocks, version, hits)
         log.clear()
-        return list(hits), len(hits) * self.block_size
+        return hits
 
     # -- allocation ---------------------------------------------------------------------------
     def allocate_slots(
@@ -196,18 +213,18 @@ class KVCacheManager:
         # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
         # free block just like a fresh allocation.
         num_hit = len(new_computed_blocks)
-        num_evictable = list(map(_ref_cnt, new_computed_blocks)).count(0)
-
-        if full_sequence_must_fit:
-            needed = self._full_sequence_blocks(request, num_hit, num_evictable)
-            if needed + watermark_blocks > num_free:
-                return None
+        if full_sequence_must_fit and _short(
+            self._full_sequence_new_blocks(request, num_hit) + watermark_blocks,
+            new_computed_blocks,
+            num_free,
+        ):
+            return None
 
         num_tokens_need_slot = min(
             total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
         num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - num_hit, 0)
-        if num_new_blocks + num_evictable + watermark_blocks > num_free:
+        if _short(num_new_blocks + watermark_blocks, new_computed_blocks, num_free):
             return None
 
         if self.enable_caching:
@@ -221,11 +238,11 @@ class KVCacheManager:
             self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
 
-    def _full_sequence_blocks(self, request: Request, num_hit: int, num_evictable: int) -> int:
-        """Free blocks that admitting the request's whole sequence takes (prefix hits on
-        free blocks included: touching them takes them out of the free queue)."""
+    def _full_sequence_new_blocks(self, request: Request, num_hit: int) -> int:
+        """Blocks beyond its ``num_hit`` prefix hits that the request's whole sequence takes
+        (the hits on free blocks cost a free block too: see :func:`_short`)."""
         full_num_tokens = min(request.num_tokens, self.max_model_len)
-        return max(cdiv(full_num_tokens, self.block_size) - num_hit, 0) + num_evictable
+        return max(cdiv(full_num_tokens, self.block_size) - num_hit, 0)
 
     def admission_blocked(self, request: Request) -> tuple[bool, int | None]:
         """Whether the scheduler would refuse to admit this waiting request now for want of
@@ -237,10 +254,9 @@ class KVCacheManager:
         is not registered: evictions never lower the need (a lost hit on a free block
         frees its cost too), and only that registration can add hits.
         """
-        hits, _ = self.get_computed_blocks(request)
-        num_evictable = list(map(_ref_cnt, hits)).count(0)
-        needed = self._full_sequence_blocks(request, len(hits), num_evictable)
-        blocked = needed + self.watermark_blocks > self.block_pool.num_free_blocks
+        hits = self._lookup(request)
+        needed = self._full_sequence_new_blocks(request, len(hits)) + self.watermark_blocks
+        blocked = _short(needed, hits, self.block_pool.num_free_blocks)
         miss: int | None = None
         if self.enable_caching and len(hits) < (len(request.token_ids) - 1) // self.block_size:
             miss = request.block_hashes[len(hits)]

@@ -171,6 +171,7 @@ def check_block_accounting(scheduler: Scheduler) -> None:
             assert block.block_hash == block_hash
             num_hashed += 1
     assert num_hashed == sum(b.block_hash is not None for b in pool.blocks)
+    assert pool.cached_mask.tolist() == [b.block_hash is not None for b in pool.blocks]
     if not kv.enable_caching:
         assert num_hashed == 0
 
