@@ -5,6 +5,7 @@ reference, side by side in one process so machine noise hits both alike.
     python benchmarks/bench_runner.py scenarios/agent-burst.yaml --repeat 3
     python benchmarks/bench_runner.py --large               # + the 100k-request benchmark
     python benchmarks/bench_runner.py --mooncake PATH       # + the Mooncake trace benchmark
+    python benchmarks/bench_runner.py --against ff8e847     # this tree vs an earlier commit
 
 For each shipped scenario (``scenarios/*.yaml``) it runs the step-by-step path
 (``simulate(..., exact_reference=True)``) and the fast path (the default), best of N
@@ -15,12 +16,17 @@ second. The benchmark scenarios under ``scenarios/benchmarks/`` (too large for t
 reference) run the fast path once each, in a fresh process, reporting wall and CPU time,
 simulated seconds per wall second and the peak resident memory of that process. The Mooncake trace's
 path is given here, at run time (``--set workload.path=...``): kvsim does not ship it.
+``--against REF`` runs each scenario's default path in fresh processes, alternately in this
+tree and in a temporary git worktree of commit REF (best of ``--repeat`` each), and reports
+both CPU times and the speed-up: progress measured against an earlier main, with the
+machine's noise shared by both.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import resource
@@ -154,6 +160,73 @@ def benchmark(runs: list[tuple[Path, list[str]]], console: Console) -> None:
     console.print(table)
 
 
+def against(paths: list[Path], ref: str, repeat: int, console: Console) -> None:
+    """This tree's default path vs commit ``ref``'s, alternating fresh processes."""
+    here = Path(__file__).resolve().parent.parent
+    commit = subprocess.run(
+        ["git", "-C", str(here), "rev-parse", "--short", ref],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    table = Table(title=f"this tree vs {commit} (default path, best of {repeat}, CPU s)")
+    for col in ("scenario", "steps", f"{commit} s", "this tree s", "speed-up"):
+        table.add_column(col, justify="left" if col == "scenario" else "right")
+    with tempfile.TemporaryDirectory() as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(
+            ["git", "-C", str(here), "worktree", "add", "--detach", str(tree), commit],
+            capture_output=True,
+            check=True,
+        )
+        try:
+            for path in paths:
+                best = {here: math.inf, tree: math.inf}
+                steps = 0
+                for _ in range(repeat):
+                    for root in (tree, here):
+                        r = _run_in(root, path.resolve())
+                        best[root] = min(best[root], r["cpu_s"])
+                        steps = r["steps"]
+                table.add_row(
+                    path.stem,
+                    f"{steps:,}",
+                    f"{best[tree]:.2f}",
+                    f"{best[here]:.2f}",
+                    f"{best[tree] / best[here]:.2f}x",
+                )
+        finally:
+            subprocess.run(
+                ["git", "-C", str(here), "worktree", "remove", "--force", str(tree)],
+                capture_output=True,
+            )
+    console.print(table)
+
+
+def _run_in(root: Path, path: Path) -> dict[str, Any]:
+    """Run a scenario once in a fresh process on the kvsim sources under ``root``."""
+    code = (
+        "import json, sys, time\n"
+        "from sim.runner import simulate\n"
+        "from sim.scenario import load_scenario\n"
+        "scenario = load_scenario(sys.argv[1])\n"
+        "cpu = time.process_time()\n"
+        "result = simulate(scenario)\n"
+        "cpu = time.process_time() - cpu\n"
+        "print(json.dumps({'cpu_s': cpu, 'steps': len(result.steps)}))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=root,
+        env=env,
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def machine() -> str:
     model = platform.processor() or platform.machine()
     try:
@@ -171,6 +244,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--large", action="store_true", help=f"also run {LARGE.name}")
     parser.add_argument("--mooncake", type=Path, help=f"run {MOONCAKE.name} on this trace")
+    parser.add_argument("--against", metavar="REF", help="compare with this git commit")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -180,6 +254,9 @@ def main() -> None:
     console = Console(width=150)
     console.print(f"machine: {machine()}")
     paths = args.scenarios or sorted(SCENARIO_DIR.glob("*.yaml"))
+    if args.against:
+        against(paths, args.against, args.repeat, console)
+        return
     compare(paths, args.repeat, console)
     runs: list[tuple[Path, list[str]]] = []
     if args.large:
