@@ -57,7 +57,8 @@ class BlockMapRecorder:
         pool = kv.block_pool
         # Every block in the prefix cache is free or owned by a running request, and the
         # owned ones are marked next.
-        states = np.where(pool.cached_mask, CACHED, FREE).astype(np.uint8)
+        states = np.zeros(pool.num_gpu_blocks, dtype=np.uint8)
+        states[pool.cached_block_ids()] = CACHED
         owners = [
             (request.request_id, blocks)
             for request in scheduler.running

@@ -38,11 +38,6 @@ def _consume(iterator: Iterable[object]) -> None:
     deque(iterator, maxlen=0)
 
 
-def _ids(blocks: Iterable[KVBlock], count: int) -> np.ndarray:
-    """The ids of ``count`` blocks, as an index array."""
-    return np.fromiter(map(_block_id, blocks), np.int64, count=count)
-
-
 class KVBlock:
     """One block of ``block_size`` token slots in HBM."""
 
@@ -79,9 +74,6 @@ class BlockPool:
         self.duplicate_blocks: dict[int, dict[int, KVBlock]] = {}
         self.null_block = self.free_queue.popitem(last=False)[1]
         self.num_evicted_blocks = 0
-        # Which blocks are in the prefix cache (block_hash set), as one array: a block-map
-        # snapshot reads it whole instead of walking ~100k block objects.
-        self.cached_mask = np.zeros(num_gpu_blocks, dtype=bool)
         # The hashes evicted since the KV cache manager last emptied this log (its prefix
         # lookup memo reads it), up to EVICTION_LOG_CAP of them: when more pile up the log
         # is incomplete (shorter than the eviction count says) and the memo is dropped.
@@ -119,6 +111,21 @@ class BlockPool:
             for h, b in self.first_cached_block.items()
         }
 
+    def cached_block_ids(self) -> np.ndarray:
+        """Ids of blocks in the prefix cache: all the free ones (evictable), and the owned
+        ones too when walking every cached block is shorter than walking the free queue
+        (each step touches a block object, the cost of a snapshot of the block map)."""
+        first = self.first_cached_block
+        if len(first) < len(self.free_queue):
+            ids = np.fromiter(map(_block_id, first.values()), np.int64, count=len(first))
+            if self.duplicate_blocks:
+                more = [i for holders in self.duplicate_blocks.values() for i in holders]
+                ids = np.concatenate([ids, np.asarray(more, dtype=np.int64)])
+            return ids
+        free = self.free_queue.values()
+        hashed = map(is_not, map(_block_hash, free), repeat(None))
+        return np.fromiter(map(_block_id, compress(free, hashed)), np.int64)
+
     def free_block_ids(self) -> list[int]:
         """Free queue order, front (allocated next) first."""
         return list(self.free_queue)
@@ -143,7 +150,6 @@ class BlockPool:
                         self.evict(block)
                 else:
                     evicted = list(compress(hashes, hashed))
-                    self.cached_mask[_ids(compress(out, hashed), len(evicted))] = False
                     _consume(map(self.first_cached_block.__delitem__, evicted))
                     self.num_evicted_blocks += len(evicted)
                     if len(self.eviction_log) < EVICTION_LOG_CAP:
@@ -165,7 +171,6 @@ class BlockPool:
             if len(holders) == 1:
                 del self.duplicate_blocks[block_hash]
         block.block_hash = None
-        self.cached_mask[block.block_id] = False
         self.num_evicted_blocks += 1
         if len(self.eviction_log) < EVICTION_LOG_CAP:
             self.eviction_log.append(block_hash)
@@ -230,14 +235,12 @@ class BlockPool:
             block_hash = block_hashes[num_cached_blocks]
             assert block.block_hash is None, block
             block.block_hash = block_hash
-            self.cached_mask[block.block_id] = True
             self._register(block, block_hash)
             return
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         assert not any(map(is_not, map(_block_hash, new_blocks), repeat(None))), new_blocks
         _consume(map(setattr, new_blocks, repeat("block_hash"), new_hashes))
-        self.cached_mask[_ids(new_blocks, len(new_blocks))] = True
         if not any(map(first.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
             first.update(zip(new_hashes, new_blocks, strict=True))
             return

@@ -171,7 +171,9 @@ def check_block_accounting(scheduler: Scheduler) -> None:
             assert block.block_hash == block_hash
             num_hashed += 1
     assert num_hashed == sum(b.block_hash is not None for b in pool.blocks)
-    assert pool.cached_mask.tolist() == [b.block_hash is not None for b in pool.blocks]
+    cached_free = {b.block_id for b in free_queue.values() if b.block_hash is not None}
+    listed = set(pool.cached_block_ids().tolist())
+    assert cached_free <= listed <= {b.block_id for b in pool.blocks if b.block_hash is not None}
     if not kv.enable_caching:
         assert num_hashed == 0
 
