@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Sequence
+from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from sim.scheduler.scheduler import Scheduler
 
 NAN = math.nan
+_request_id = attrgetter("request_id")
+_num_computed_tokens = attrgetter("num_computed_tokens")
 
 
 class RequestRecord:
@@ -118,9 +121,9 @@ class Recorder:
         tables = scheduler.kv_cache_manager.req_to_blocks
         running = scheduler.running
         unused = kv_unused_slots(
-            sum(len(tables[r.request_id]) for r in running),
+            sum(map(len, map(tables.__getitem__, map(_request_id, running)))),
             self.block_size,
-            sum(r.num_computed_tokens for r in running),
+            sum(map(_num_computed_tokens, running)),
         )
         self.add_record(step_record(output.step, output, start_s, end_s, unused))
         if self.block_map is not None:

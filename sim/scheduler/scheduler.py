@@ -232,7 +232,7 @@ class Scheduler:
             num_tokens = len(request.token_ids)
             if request.num_computed_tokens < num_tokens:
                 continue  # a prefill chunk that did not reach the end samples nothing
-            request.append_output_token_id(request.next_output_token_id())
+            request.sample_next_token()
             sampled.append(request)
             num_tokens += 1
             if num_tokens - request.num_prompt_tokens >= request.max_tokens or (
