@@ -38,10 +38,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from sim.config.model import ModelGeometry
 
 # (tile_m, tile_n, split_k) candidates: CUTLASS/cuBLAS-like tiles, split-K for skinny GEMMs.
 KERNEL_CONFIGS: tuple[tuple[int, int, int], ...] = (
@@ -158,6 +161,21 @@ class LayerShape(NamedTuple):
     vocab: int
     tp: int
     dtype_bytes: int = 2
+
+    @classmethod
+    def from_model(cls, model: ModelGeometry, tp: int) -> LayerShape:
+        """The layer shape of ``model`` (a dense, gated-MLP decoder) on ``tp`` GPUs."""
+        return cls(
+            hidden=model.hidden_size,
+            q_heads=model.num_attention_heads,
+            kv_heads=model.num_key_value_heads,
+            head_dim=model.head_dim,
+            intermediate=model.intermediate_size,
+            gated=True,
+            vocab=model.vocab_size,
+            tp=tp,
+            dtype_bytes=model.dtype_bytes,
+        )
 
     def gemms(self) -> dict[str, tuple[int, int]]:
         """(K, N) of each GEMM of the layer, by Vidur's operator name."""

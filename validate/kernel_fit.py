@@ -204,19 +204,40 @@ def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParam
         raise KvsimConfigError(f"no operator measurements for GPU {tables.gpu!r}")
     layers = tables.layers.reset_index(drop=True)
     elementwise = fit_elementwise(elementwise_samples(layers), hardware)
-    bw = hardware.hbm_bandwidth_bytes_per_s
-    other_s = np.zeros(len(layers))
-    for i, row in layers.iterrows():
-        for op, (kind, per_token) in layer_shape(row).elementwise_bytes().items():
-            if op in layers.columns and not np.isnan(row[op]):
-                other_s[i] += float(
-                    elementwise_time_s(row["num_tokens"] * per_token, elementwise[kind], bw)
-                )
+    other_s = _elementwise_layer_s(layers, _by_shape(layers), elementwise, hardware)
     return KernelParams(
         gemm=fit_gemm(gemm_samples(layers), hardware, measured_layer_s(layers), other_s),
         elementwise=elementwise,
         allreduce=fit_allreduce(tables.allreduce),
     )
+
+
+def _by_shape(layers: pd.DataFrame) -> dict[LayerShape, np.ndarray]:
+    """The positions of ``layers``' rows, grouped by layer shape."""
+    groups: dict[LayerShape, list[int]] = {}
+    for i, shape in enumerate(_shapes(layers)):
+        groups.setdefault(shape, []).append(i)
+    return {shape: np.array(rows) for shape, rows in groups.items()}
+
+
+def _elementwise_layer_s(
+    layers: pd.DataFrame,
+    by_shape: dict[LayerShape, np.ndarray],
+    elementwise: dict[str, ElementwiseFit],
+    hardware: Hardware,
+) -> np.ndarray:
+    """Each row's predicted time of the layer's element-wise operators that it measured."""
+    bw = hardware.hbm_bandwidth_bytes_per_s
+    m = layers["num_tokens"].to_numpy(dtype=float)
+    total = np.zeros(len(layers))
+    for shape, rows in by_shape.items():
+        for op, (kind, per_token) in shape.elementwise_bytes().items():
+            if op not in layers.columns:
+                continue
+            measured = ~np.isnan(layers[op].to_numpy(dtype=float)[rows])
+            time_s = elementwise_time_s(m[rows] * per_token, elementwise[kind], bw)
+            total[rows] += np.where(measured, time_s, 0.0)
+    return total
 
 
 def measured_layer_s(layers: pd.DataFrame) -> np.ndarray:
@@ -231,10 +252,10 @@ def predicted_layer_s(layers: pd.DataFrame, params: KernelParams, hardware: Hard
     """Each row's predicted layer time over the same operators as :func:`measured_layer_s`
     (a model without a post-attention norm, like phi-2, has none predicted either)."""
     sm_count = sm_count_of(hardware)
-    out = np.empty(len(layers))
-    present = [op for op in ELEMENTWISE_OPS if op in layers.columns]
-    for i, (_, row) in enumerate(layers.iterrows()):
-        shape = layer_shape(row)
+    m = layers["num_tokens"].to_numpy(dtype=float)
+    by_shape = _by_shape(layers)
+    total = _elementwise_layer_s(layers, by_shape, params.elementwise, hardware)
+    for shape, rows in by_shape.items():
         timer = OperatorTimer(
             shape,
             1,
@@ -243,17 +264,8 @@ def predicted_layer_s(layers: pd.DataFrame, params: KernelParams, hardware: Hard
             hardware.bf16_flops_per_s,
             hardware.hbm_bandwidth_bytes_per_s,
         )
-        m = np.array([row["num_tokens"]], dtype=float)
-        total = float(timer.gemms_time_s(m)[0])
-        for op, (kind, per_token) in shape.elementwise_bytes().items():
-            if op in present and not np.isnan(row[op]):
-                total += float(
-                    elementwise_time_s(
-                        m * per_token, params.elementwise[kind], hardware.hbm_bandwidth_bytes_per_s
-                    )[0]
-                )
-        out[i] = total
-    return out
+        total[rows] += timer.gemms_time_s(m[rows])
+    return total
 
 
 def roofline_layer_s(

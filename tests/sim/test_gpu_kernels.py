@@ -215,6 +215,13 @@ def test_a_run_says_what_priced_its_steps() -> None:
     )
 
 
+def test_layer_shape_from_a_model() -> None:
+    model = resolve_model("Llama-3.1-8B")
+    assert LayerShape.from_model(model, 2) == LayerShape(
+        4096, 32, 8, 128, 14336, True, 128256, 2, 2
+    )
+
+
 def test_gqa_kv_heads_are_replicated_when_tp_exceeds_them() -> None:
     shape = LayerShape(8192, 64, 8, 128, 28672, True, 128256, 16)
     k, n = shape.gemms()["attn_pre_proj"]
@@ -226,7 +233,7 @@ def test_operator_step_time_is_kernels_plus_attention_plus_overheads() -> None:
     params = shipped_profile(H100).params
     cost = CostModel(model, H100, 1, params)
     timer = OperatorTimer(
-        LayerShape(4096, 32, 8, 128, 14336, True, model.vocab_size, 1),
+        LayerShape.from_model(model, 1),
         32,
         params.kernels,
         132,
