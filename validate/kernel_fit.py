@@ -2,8 +2,10 @@
 
 Every fit minimizes the log of predicted / measured time (relative error, so 5 us kernels
 count as much as 5 ms ones) with a soft-L1 loss (a few noisy points do not drag the fit) using
-``scipy.optimize.least_squares``. The GEMM fit pools every GEMM of every model in the tables;
-each element-wise kind and each all-reduce TP degree is fitted on its own.
+``scipy.optimize.least_squares``. The GEMM fit pools the layers of every model in the tables,
+each (TP degree, regime) cell weighing the same, from a few starting points (the kernel
+choice makes its loss rugged); each element-wise kind and each all-reduce TP degree is fitted
+on its own.
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ from validate.vidur_tables import (
     OperatorTables,
     layer_shape,
 )
+
+# Token counts from which a row is in the next regime: decode 1-256, 257-511, prefill
+# 512-4096, beyond.
+REGIME_EDGES = (257, 512, 4097)
 
 # Relative residuals beyond ~5% weigh linearly, not quadratically.
 _F_SCALE = 0.05
@@ -86,8 +92,9 @@ def gemm_samples(layers: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gemm_fit(theta: np.ndarray) -> GemmFit:
-    floor, inv_bw, inv_compute, full_ctas, exponent, overlap, tile_bw = theta
+    floor, inv_bw, inv_compute, full_ctas, exponent, overlap, tile_bw, spread = theta
     return GemmFit(
+        selection_spread=float(np.exp(spread)),
         tile_bandwidth_factor=float(np.exp(tile_bw)),
         floor_s=float(np.exp(floor)),
         bandwidth_efficiency=float(np.exp(-inv_bw)),
@@ -103,9 +110,11 @@ def fit_gemm(
     hardware: Hardware,
     layer_s: np.ndarray | None = None,
     other_s: np.ndarray | None = None,
+    weights: np.ndarray | None = None,
 ) -> GemmFit:
     """The GEMM parameters that best price ``samples`` on ``hardware``: each GEMM's time, or
-    with ``layer_s`` each layer's (its GEMMs, by the samples' ``row``, plus ``other_s``)."""
+    with ``layer_s`` each layer's (its GEMMs, by the samples' ``row``, plus ``other_s``),
+    its residual scaled by ``weights`` when given."""
     sm_count = sm_count_of(hardware)
     m, k, n = (samples[c].to_numpy(dtype=float) for c in ("m", "k", "n"))
     measured = samples["time_s"].to_numpy(dtype=float)
@@ -118,15 +127,26 @@ def fit_gemm(
             return np.log(predicted / measured)
         total = np.bincount(rows, predicted, minlength=len(layer_s)) + other_s
         keep = ~np.isnan(layer_s)
-        return np.log(total[keep] / layer_s[keep])
+        if weights is None:
+            return np.log(total[keep] / layer_s[keep])
+        return weights[keep] * np.log(total[keep] / layer_s[keep])
 
-    theta = _robust_fit(
-        residuals,
-        x0=[np.log(4e-6), 0.1, 0.3, 0.0, 0.5, np.log(4.0), np.log(5.0)],
-        lower=[np.log(1e-8), 0.0, 0.0, -3.0, 0.0, 0.0, 0.0],
-        upper=[np.log(1e-4), 3.0, 3.0, 3.0, 2.0, np.log(20.0), np.log(100.0)],
-    )
-    return _gemm_fit(theta)
+    lower = [np.log(1e-8), 0.0, 0.0, -3.0, 0.0, 0.0, 0.0, np.log(1e-3)]
+    upper = [np.log(1e-4), 3.0, 3.0, 3.0, 2.0, np.log(20.0), np.log(100.0), np.log(0.3)]
+    # The kernel choice (a minimum over tiles) makes the loss rugged: start from a few
+    # points and keep the best fit.
+    fits = [
+        least_squares(residuals, x0=x0, bounds=(lower, upper), loss="soft_l1", f_scale=_F_SCALE)
+        for x0 in _GEMM_STARTS
+    ]
+    return _gemm_fit(min(fits, key=lambda fit: fit.cost).x)
+
+
+_GEMM_STARTS = (
+    [np.log(4e-6), 0.1, 0.3, 0.0, 0.5, np.log(4.0), np.log(5.0), np.log(0.05)],
+    [np.log(2e-6), 0.2, 0.2, 1.0, 1.0, np.log(3.0), np.log(20.0), np.log(0.01)],
+    [np.log(5e-6), 0.05, 0.1, -1.0, 0.2, np.log(10.0), np.log(3.0), np.log(0.2)],
+)
 
 
 def elementwise_samples(layers: pd.DataFrame) -> pd.DataFrame:
@@ -206,10 +226,22 @@ def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParam
     elementwise = fit_elementwise(elementwise_samples(layers), hardware)
     other_s = _elementwise_layer_s(layers, _by_shape(layers), elementwise, hardware)
     return KernelParams(
-        gemm=fit_gemm(gemm_samples(layers), hardware, measured_layer_s(layers), other_s),
+        gemm=fit_gemm(
+            gemm_samples(layers), hardware, measured_layer_s(layers), other_s, _cell_weights(layers)
+        ),
         elementwise=elementwise,
         allreduce=fit_allreduce(tables.allreduce),
     )
+
+
+def _cell_weights(layers: pd.DataFrame) -> np.ndarray:
+    """A weight per row so that each (TP degree, regime) cell weighs the same in the GEMM fit:
+    the tables sample prefill token counts far more densely than decode ones."""
+    regime = np.digitize(layers["num_tokens"].to_numpy(), REGIME_EDGES)
+    cell = pd.Series(list(zip(layers["num_tensor_parallel_workers"], regime, strict=True)))
+    counts = cell.map(cell.value_counts()).to_numpy(dtype=float)
+    weights = 1 / np.sqrt(counts)  # residuals are squared
+    return weights / np.sqrt(np.mean(weights**2))
 
 
 def _by_shape(layers: pd.DataFrame) -> dict[LayerShape, np.ndarray]:

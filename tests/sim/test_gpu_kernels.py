@@ -300,3 +300,32 @@ def test_kernel_params_need_every_elementwise_kind() -> None:
     del kernels["elementwise"]["embedding"]
     with pytest.raises(pydantic.ValidationError, match="missing: embedding"):
         KernelParams.model_validate(kernels)
+
+
+def test_selection_spread_averages_the_kernels_near_the_fastest() -> None:
+    """Spread 0 prices the fastest kernel; a spread weighs in slower kernels, more the wider
+    it is."""
+    fastest_only = GemmFit(
+        floor_s=0.0,
+        compute_efficiency=0.8,
+        bandwidth_efficiency=0.9,
+        full_ctas_per_sm=1.0,
+        occupancy_exponent=0.5,
+        overlap_exponent=4.0,
+    )
+    m = np.array([1.0, 136.0, 640.0, 4096.0])
+
+    def price(fit: GemmFit) -> np.ndarray:
+        return gemm_time_s(
+            m, 8192, 8192, fit, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
+        )
+
+    fastest = price(fastest_only)
+    narrow = price(fastest_only.model_copy(update={"selection_spread": 0.05}))
+    wide = price(fastest_only.model_copy(update={"selection_spread": 0.3}))
+    assert np.all(fastest <= narrow) and np.all(narrow <= wide)
+    assert wide[2] > 1.01 * fastest[2]
+    # An unbounded spread is the plain mean of the kernels: weighing the fast ones more stays
+    # below it.
+    mean = price(fastest_only.model_copy(update={"selection_spread": 1e9}))
+    assert np.all(wide <= mean * (1 + 1e-12)) and np.all(mean > wide)
