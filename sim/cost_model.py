@@ -409,19 +409,8 @@ def _operator_timer(
             f"hardware {hardware.name!r} has no sm_count, which cost mode 'operators' needs "
             "to size GEMM waves; give hardware.sm_count or use a roofline profile"
         )
-    shape = LayerShape(
-        hidden=model.hidden_size,
-        q_heads=model.num_attention_heads,
-        kv_heads=model.num_key_value_heads,
-        head_dim=model.head_dim,
-        intermediate=model.intermediate_size,
-        gated=True,
-        vocab=model.vocab_size,
-        tp=tp,
-        dtype_bytes=model.dtype_bytes,
-    )
     return OperatorTimer(
-        shape,
+        LayerShape.from_model(model, tp),
         model.num_hidden_layers,
         params.kernels,
         hardware.sm_count,

@@ -16,8 +16,12 @@ kernel ``(tile_m, tile_n, split_k)`` of :data:`KERNEL_CONFIGS` runs
     tile_s    = ctas * (tile_m + tile_n) * (K / split_k) * dtype_bytes
                 / (BW * tile_bandwidth_factor)
     kernel_s  = (compute_s^p + memory_s^p + tile_s^p)^(1/p)   (a soft max: p large -> max)
-    gemm_s    = floor_s + min over kernels of kernel_s
+    gemm_s    = floor_s + sum over kernels of w * kernel_s / sum of w,
+                w = exp(-(kernel_s / fastest kernel_s - 1) / selection_spread)
 
+The library's heuristic does not always pick the fastest kernel (Vidur's H100 tables show
+GEMMs that run one more wave than the best tile would need): ``selection_spread`` averages
+the kernels within a fitted fraction of the fastest (0: the fastest alone).
 ``bytes`` are the weights, the input and the output (split-K also writes and reads back fp32
 partial sums). Wave quantization gives the steps (one more token can add a whole wave); the
 occupancy term lowers the bandwidth of a GEMM so small that even split eight ways it leaves
@@ -38,10 +42,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from sim.config.model import ModelGeometry
 
 # (tile_m, tile_n, split_k) candidates: CUTLASS/cuBLAS-like tiles, split-K for skinny GEMMs.
 KERNEL_CONFIGS: tuple[tuple[int, int, int], ...] = (
@@ -82,6 +89,13 @@ class GemmFit(BaseModel):
         gt=0,
         description="Bandwidth, in multiples of HBM's, at which thread blocks stream their "
         "input tiles (mostly from L2): small tiles re-read the inputs more often.",
+    )
+    selection_spread: float = Field(
+        0.0,
+        ge=0,
+        description="How far the library's kernel choice strays from the fastest: the time "
+        "is the average of the kernels weighted by exp(-(time / fastest - 1) / spread) "
+        "(0: the fastest).",
     )
 
 
@@ -159,6 +173,21 @@ class LayerShape(NamedTuple):
     tp: int
     dtype_bytes: int = 2
 
+    @classmethod
+    def from_model(cls, model: ModelGeometry, tp: int) -> LayerShape:
+        """The layer shape of ``model`` (a dense, gated-MLP decoder) on ``tp`` GPUs."""
+        return cls(
+            hidden=model.hidden_size,
+            q_heads=model.num_attention_heads,
+            kv_heads=model.num_key_value_heads,
+            head_dim=model.head_dim,
+            intermediate=model.intermediate_size,
+            gated=True,
+            vocab=model.vocab_size,
+            tp=tp,
+            dtype_bytes=model.dtype_bytes,
+        )
+
     def gemms(self) -> dict[str, tuple[int, int]]:
         """(K, N) of each GEMM of the layer, by Vidur's operator name."""
         tp, hd = self.tp, self.head_dim
@@ -202,6 +231,7 @@ def gemm_time_s(
     n = np.asarray(n, dtype=float)
     p = fit.overlap_exponent
     best = np.full(np.broadcast(m, k, n).shape, np.inf)
+    times: list[np.ndarray] = []
     for tile_m, tile_n, split_k in KERNEL_CONFIGS:
         # Split-K writes and reads back fp32 partial sums before the final output.
         partial_bytes = 2 * 4 * split_k if split_k > 1 else 0
@@ -217,7 +247,12 @@ def gemm_time_s(
         tile_s = tile_bytes / (bandwidth_bytes_per_s * fit.tile_bandwidth_factor)
         kernel_s = (compute_s**p + memory_s**p + tile_s**p) ** (1.0 / p)
         best = np.minimum(best, kernel_s)
-    return fit.floor_s + best
+        times.append(kernel_s)
+    if fit.selection_spread <= 0:
+        return fit.floor_s + best
+    stacked = np.stack(times)
+    weights = np.exp(-(stacked / best - 1.0) / fit.selection_spread)
+    return fit.floor_s + (weights * stacked).sum(axis=0) / weights.sum(axis=0)
 
 
 def elementwise_time_s(

@@ -215,6 +215,13 @@ def test_a_run_says_what_priced_its_steps() -> None:
     )
 
 
+def test_layer_shape_from_a_model() -> None:
+    model = resolve_model("Llama-3.1-8B")
+    assert LayerShape.from_model(model, 2) == LayerShape(
+        4096, 32, 8, 128, 14336, True, 128256, 2, 2
+    )
+
+
 def test_gqa_kv_heads_are_replicated_when_tp_exceeds_them() -> None:
     shape = LayerShape(8192, 64, 8, 128, 28672, True, 128256, 16)
     k, n = shape.gemms()["attn_pre_proj"]
@@ -226,7 +233,7 @@ def test_operator_step_time_is_kernels_plus_attention_plus_overheads() -> None:
     params = shipped_profile(H100).params
     cost = CostModel(model, H100, 1, params)
     timer = OperatorTimer(
-        LayerShape(4096, 32, 8, 128, 14336, True, model.vocab_size, 1),
+        LayerShape.from_model(model, 1),
         32,
         params.kernels,
         132,
@@ -293,3 +300,32 @@ def test_kernel_params_need_every_elementwise_kind() -> None:
     del kernels["elementwise"]["embedding"]
     with pytest.raises(pydantic.ValidationError, match="missing: embedding"):
         KernelParams.model_validate(kernels)
+
+
+def test_selection_spread_averages_the_kernels_near_the_fastest() -> None:
+    """Spread 0 prices the fastest kernel; a spread weighs in slower kernels, more the wider
+    it is."""
+    fastest_only = GemmFit(
+        floor_s=0.0,
+        compute_efficiency=0.8,
+        bandwidth_efficiency=0.9,
+        full_ctas_per_sm=1.0,
+        occupancy_exponent=0.5,
+        overlap_exponent=4.0,
+    )
+    m = np.array([1.0, 136.0, 640.0, 4096.0])
+
+    def price(fit: GemmFit) -> np.ndarray:
+        return gemm_time_s(
+            m, 8192, 8192, fit, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
+        )
+
+    fastest = price(fastest_only)
+    narrow = price(fastest_only.model_copy(update={"selection_spread": 0.05}))
+    wide = price(fastest_only.model_copy(update={"selection_spread": 0.3}))
+    assert np.all(fastest <= narrow) and np.all(narrow <= wide)
+    assert wide[2] > 1.01 * fastest[2]
+    # An unbounded spread is the plain mean of the kernels: weighing the fast ones more stays
+    # below it.
+    mean = price(fastest_only.model_copy(update={"selection_spread": 1e9}))
+    assert np.all(wide <= mean * (1 + 1e-12)) and np.all(mean > wide)

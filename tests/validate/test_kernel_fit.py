@@ -16,6 +16,7 @@ from sim.config.hardware import resolve_hardware
 from sim.errors import KvsimConfigError
 from sim.gpu_kernels import GemmFit, gemm_time_s
 from validate.kernel_fit import (
+    _cell_weights,
     fit_gemm,
     fit_kernel_params,
     fit_roofline,
@@ -197,3 +198,18 @@ def test_calibrate_warns_about_other_hardware_and_missing_allreduce(tmp_path: Pa
     assert "--hardware H200-141GB is not H100-SXM-80GB" in text
     assert "no network/h100_dgx/all_reduce.csv measurements" in text
     assert load_profile(out).params.kernels.allreduce == []
+
+
+def test_each_tp_degree_and_regime_weighs_the_same_in_the_gemm_fit() -> None:
+    layers = pd.DataFrame(
+        {
+            "num_tokens": [1, 2, 4, 300, 512, 1024, 2048, 4096, 8192, 1],
+            "num_tensor_parallel_workers": [1, 1, 1, 1, 1, 1, 1, 1, 1, 2],
+        }
+    )
+    weights = _cell_weights(layers)
+    # cells: TP1 decode (3 rows), TP1 257-511 (1), TP1 prefill (4), TP1 beyond (1), TP2 decode (1)
+    cells = [[0, 1, 2], [3], [4, 5, 6, 7], [8], [9]]
+    weight_of_cell = [float(np.sum(weights[rows] ** 2)) for rows in cells]
+    assert weight_of_cell == pytest.approx([weight_of_cell[0]] * 5)
+    assert np.mean(weights**2) == pytest.approx(1.0)
