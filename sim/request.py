@@ -125,18 +125,6 @@ class Request:
         if len(self.token_ids) % self.block_size == 0:
             self._hash_new_full_blocks()
 
-    def sample_next_token(self) -> None:
-        """Append the token the (simulated) sampler emits next: one decode step's output,
-        ``append_output_token_id(next_output_token_id())`` in one call (the hot loop)."""
-        tokens = self.token_ids
-        planned = self._planned_output
-        if planned is not None:
-            tokens.append(planned[len(tokens) - self.num_prompt_tokens])
-        else:
-            tokens.append(self.next_output_token_id())
-        if len(tokens) % self.block_size == 0:
-            self._hash_new_full_blocks()
-
     def append_output_token_ids(self, num_tokens: int) -> None:
         """Sample ``num_tokens`` tokens at once (a decode stretch): the same tokens and block
         hashes as ``num_tokens`` calls of ``append_output_token_id(next_output_token_id())``."""

@@ -94,9 +94,6 @@ class Scheduler:
         # 1. RUNNING requests.
         allocate_slots = kv.allocate_slots
         max_model_len = self.max_model_len
-        tables = kv.req_to_blocks
-        num_cached_blocks = kv.num_cached_block if kv.enable_caching else None
-        block_size = kv.block_size
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
@@ -109,17 +106,6 @@ class Scheduler:
             if num_new > max_model_len - num_computed - 1:
                 num_new = max_model_len - num_computed - 1
             if num_new <= 0:
-                req_index += 1
-                continue
-            # Most decode steps neither need a new block nor fill one: allocate_slots would
-            # do nothing (its result is only checked for None).
-            end = num_computed + num_new
-            if end <= len(tables[request.request_id]) * block_size and (
-                num_cached_blocks is None
-                or end // block_size <= num_cached_blocks[request.request_id]
-            ):
-                num_scheduled[request.request_id] = num_new
-                token_budget -= num_new
                 req_index += 1
                 continue
             while True:
@@ -232,7 +218,7 @@ class Scheduler:
             num_tokens = len(request.token_ids)
             if request.num_computed_tokens < num_tokens:
                 continue  # a prefill chunk that did not reach the end samples nothing
-            request.sample_next_token()
+            request.append_output_token_id(request.next_output_token_id())
             sampled.append(request)
             num_tokens += 1
             if num_tokens - request.num_prompt_tokens >= request.max_tokens or (
