@@ -18,8 +18,10 @@ simulated seconds per wall second and the peak resident memory of that process. 
 path is given here, at run time (``--set workload.path=...``): kvsim does not ship it.
 ``--against REF`` runs each scenario's default path in fresh processes, alternately in this
 tree and in a temporary git worktree of commit REF (best of ``--repeat`` each), and reports
-both CPU times and the speed-up: progress measured against an earlier main, with the
-machine's noise shared by both.
+both step counts, both CPU times and the speed-up: progress measured against an earlier
+main, with the machine's noise shared by both. Step counts that differ mean the two trees
+simulate the scenario differently (a cost-model change), so that row compares different
+runs.
 """
 
 from __future__ import annotations
@@ -170,27 +172,32 @@ def against(paths: list[Path], ref: str, repeat: int, console: Console) -> None:
         check=True,
     ).stdout.strip()
     table = Table(title=f"this tree vs {commit} (default path, best of {repeat}, CPU s)")
-    for col in ("scenario", "steps", f"{commit} s", "this tree s", "speed-up"):
+    for col in ("scenario", f"{commit} steps", "steps", f"{commit} s", "this tree s", "speed-up"):
         table.add_column(col, justify="left" if col == "scenario" else "right")
+    differ = False
     with tempfile.TemporaryDirectory() as tmp:
         tree = Path(tmp) / "tree"
-        subprocess.run(
-            ["git", "-C", str(here), "worktree", "add", "--detach", str(tree), commit],
-            capture_output=True,
-            check=True,
-        )
         try:
+            subprocess.run(
+                ["git", "-C", str(here), "worktree", "add", "--detach", str(tree), commit],
+                capture_output=True,
+                check=True,
+            )
             for path in paths:
                 best = {here: math.inf, tree: math.inf}
-                steps = 0
-                for _ in range(repeat):
-                    for root in (tree, here):
+                steps = {here: 0, tree: 0}
+                for i in range(repeat):
+                    # Each tree goes first in every other round.
+                    for root in (tree, here) if i % 2 == 0 else (here, tree):
                         r = _run_in(root, path.resolve())
                         best[root] = min(best[root], r["cpu_s"])
-                        steps = r["steps"]
+                        steps[root] = r["steps"]
+                same = steps[tree] == steps[here]
+                differ |= not same
                 table.add_row(
                     path.stem,
-                    f"{steps:,}",
+                    f"{steps[tree]:,}",
+                    f"{steps[here]:,}" + ("" if same else " (differs)"),
                     f"{best[tree]:.2f}",
                     f"{best[here]:.2f}",
                     f"{best[tree] / best[here]:.2f}x",
@@ -200,7 +207,13 @@ def against(paths: list[Path], ref: str, repeat: int, console: Console) -> None:
                 ["git", "-C", str(here), "worktree", "remove", "--force", str(tree)],
                 capture_output=True,
             )
+            subprocess.run(["git", "-C", str(here), "worktree", "prune"], capture_output=True)
     console.print(table)
+    if differ:
+        console.print(
+            f"[yellow]Step counts differ: {commit} simulates these scenarios differently (a "
+            "cost-model or scheduler change), so those rows compare different runs.[/yellow]"
+        )
 
 
 def _run_in(root: Path, path: Path) -> dict[str, Any]:
@@ -220,10 +233,11 @@ def _run_in(root: Path, path: Path) -> dict[str, Any]:
         [sys.executable, "-c", code, str(path)],
         capture_output=True,
         text=True,
-        check=True,
         cwd=root,
         env=env,
     )
+    if done.returncode:
+        raise SystemExit(f"{path.name} failed on the sources in {root}:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -255,6 +269,8 @@ def main() -> None:
     console.print(f"machine: {machine()}")
     paths = args.scenarios or sorted(SCENARIO_DIR.glob("*.yaml"))
     if args.against:
+        if args.large or args.mooncake:
+            parser.error("--against compares shipped scenarios only (no --large, --mooncake)")
         against(paths, args.against, args.repeat, console)
         return
     compare(paths, args.repeat, console)

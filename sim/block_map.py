@@ -75,7 +75,12 @@ class BlockMapRecorder:
                 np.int64,
                 count=sum(lengths),
             )
-            states[owned] = np.repeat(np.asarray(codes, dtype=np.uint8), lengths)
+            # Request by request, in running order: a block shared by two running requests
+            # (a common prefix) shows the class of the later one.
+            start = 0
+            for code, length in zip(codes, lengths, strict=True):
+                states[owned[start : start + length]] = code
+                start += length
         self.times_s.append(now_s)
         self.steps.append(step)
         self.states.append(states)

@@ -20,8 +20,9 @@ kernel ``(tile_m, tile_n, split_k)`` of :data:`KERNEL_CONFIGS` runs
                 w = exp(-(kernel_s / fastest kernel_s - 1) / selection_spread)
 
 The library's heuristic does not always pick the fastest kernel (Vidur's H100 tables show
-GEMMs that run one more wave than the best tile would need): ``selection_spread`` averages
-the kernels within a fitted fraction of the fastest (0: the fastest alone).
+GEMMs that run one more wave than the best tile would need): ``selection_spread`` weighs
+every candidate by ``exp(-(kernel_s / fastest - 1) / spread)``, a soft choice with no
+cutoff (0: the fastest alone; at 0.3 a kernel 30% slower still weighs 0.37).
 ``bytes`` are the weights, the input and the output (split-K also writes and reads back fp32
 partial sums). Wave quantization gives the steps (one more token can add a whole wave); the
 occupancy term lowers the bandwidth of a GEMM so small that even split eight ways it leaves
@@ -242,7 +243,8 @@ def gemm_time_s(
         compute_s = compute_s / fit.compute_efficiency
         occupancy = np.minimum(1.0, ctas / (sm_count * fit.full_ctas_per_sm))
         memory_s = nbytes / (bandwidth_bytes_per_s * fit.bandwidth_efficiency)
-        memory_s = memory_s / occupancy**fit.occupancy_exponent
+        with np.errstate(divide="ignore"):  # no thread block (m or n is 0): infinite
+            memory_s = memory_s / occupancy**fit.occupancy_exponent
         tile_bytes = dtype_bytes * ctas * (tile_m + tile_n) * (k / split_k)
         tile_s = tile_bytes / (bandwidth_bytes_per_s * fit.tile_bandwidth_factor)
         kernel_s = (compute_s**p + memory_s**p + tile_s**p) ** (1.0 / p)
@@ -251,8 +253,10 @@ def gemm_time_s(
     if fit.selection_spread <= 0:
         return fit.floor_s + best
     stacked = np.stack(times)
-    weights = np.exp(-(stacked / best - 1.0) / fit.selection_spread)
-    return fit.floor_s + (weights * stacked).sum(axis=0) / weights.sum(axis=0)
+    with np.errstate(invalid="ignore"):  # inf / inf where no kernel runs (m or n is 0)
+        weights = np.exp(-(stacked / best - 1.0) / fit.selection_spread)
+        average = (weights * stacked).sum(axis=0) / weights.sum(axis=0)
+    return fit.floor_s + np.where(np.isfinite(best), average, best)
 
 
 def elementwise_time_s(

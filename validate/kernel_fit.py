@@ -3,7 +3,8 @@
 Every fit minimizes the log of predicted / measured time (relative error, so 5 us kernels
 count as much as 5 ms ones) with a soft-L1 loss (a few noisy points do not drag the fit) using
 ``scipy.optimize.least_squares``. The GEMM fit pools the layers of every model in the tables,
-each (TP degree, regime) cell weighing the same, from a few starting points (the kernel
+each (TP degree, regime) cell weighing the same while its errors are small (the soft-L1
+loss applies after the weights), from a few starting points (the kernel
 choice makes its loss rugged); each element-wise kind and each all-reduce TP degree is fitted
 on its own.
 """
@@ -235,8 +236,10 @@ def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParam
 
 
 def _cell_weights(layers: pd.DataFrame) -> np.ndarray:
-    """A weight per row so that each (TP degree, regime) cell weighs the same in the GEMM fit:
-    the tables sample prefill token counts far more densely than decode ones."""
+    """A weight per row so that each (TP degree, regime) cell weighs the same in the GEMM fit
+    (in the loss's quadratic range; beyond it soft-L1 grows like the weight, so a cell's
+    outliers weigh as the square root of its size): the tables sample prefill token counts
+    far more densely than decode ones."""
     regime = np.digitize(layers["num_tokens"].to_numpy(), REGIME_EDGES)
     cell = pd.Series(list(zip(layers["num_tensor_parallel_workers"], regime, strict=True)))
     counts = cell.map(cell.value_counts()).to_numpy(dtype=float)

@@ -30,7 +30,8 @@ _block_id = attrgetter("block_id")
 _ref_cnt = attrgetter("ref_cnt")
 _block_hash = attrgetter("block_hash")
 
-# Evicted hashes the pool logs between two prefix lookups (see BlockPool.eviction_log).
+# Evicted hashes the pool logs between two prefix lookups (see BlockPool.eviction_log); a
+# batch of evictions is logged whole while the log is below the cap, so it can exceed it.
 EVICTION_LOG_CAP = 4096
 
 
@@ -229,7 +230,6 @@ class BlockPool:
         num_full_blocks: int,
     ) -> None:
         """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
-        first = self.first_cached_block
         if num_full_blocks - num_cached_blocks == 1:  # a decode filled its last block
             block = blocks[num_cached_blocks]
             block_hash = block_hashes[num_cached_blocks]
@@ -237,6 +237,7 @@ class BlockPool:
             block.block_hash = block_hash
             self._register(block, block_hash)
             return
+        first = self.first_cached_block
         new_blocks = blocks[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         assert not any(map(is_not, map(_block_hash, new_blocks), repeat(None))), new_blocks

@@ -329,3 +329,33 @@ def test_selection_spread_averages_the_kernels_near_the_fastest() -> None:
     # below it.
     mean = price(fastest_only.model_copy(update={"selection_spread": 1e9}))
     assert np.all(wide <= mean * (1 + 1e-12)) and np.all(mean > wide)
+
+
+def test_selection_spread_keeps_an_empty_gemm_infinite_not_nan() -> None:
+    """With no token (m = 0) no kernel runs at full occupancy: every candidate is infinite,
+    with or without a spread (the fit and the prices never see a NaN)."""
+    fit = GemmFit(
+        floor_s=0.0,
+        compute_efficiency=0.8,
+        bandwidth_efficiency=0.9,
+        full_ctas_per_sm=1.0,
+        occupancy_exponent=0.5,
+        overlap_exponent=4.0,
+        selection_spread=0.2,
+    )
+    m = np.array([0.0, 1.0])
+    spread = gemm_time_s(
+        m, 4096, 4096, fit, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
+    )
+    fastest = gemm_time_s(
+        m,
+        4096,
+        4096,
+        fit.model_copy(update={"selection_spread": 0.0}),
+        132,
+        H100.bf16_flops_per_s,
+        H100.hbm_bandwidth_bytes_per_s,
+    )
+    assert not np.isnan(spread).any()
+    assert spread[0] == fastest[0] == np.inf
+    assert np.isfinite(spread[1]) and spread[1] >= fastest[1]

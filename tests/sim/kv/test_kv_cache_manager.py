@@ -333,12 +333,28 @@ def test_repeated_lookup_after_the_eviction_log_overflowed_looks_everything_up()
     kv.free(owner)
     waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
     assert len(kv.get_computed_blocks(waiting)[0]) == 5
-    cap, block_pool.EVICTION_LOG_CAP = block_pool.EVICTION_LOG_CAP, 0
+    cap, block_pool.EVICTION_LOG_CAP = block_pool.EVICTION_LOG_CAP, 1
     try:
-        kv.block_pool.get_new_blocks(8)
+        kv.block_pool.get_new_blocks(7)  # 6..11, then the owner's block 5: logged
+        kv.block_pool.get_new_blocks(1)  # the owner's block 4: the log is full
     finally:
         block_pool.EVICTION_LOG_CAP = cap
-    assert kv.block_pool.eviction_log == []  # incomplete: two evictions, none logged
+    # Incomplete (one of two evictions): trusting it would keep the stale hit on block 4.
+    assert len(kv.block_pool.eviction_log) == 1
+    assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
+
+
+def test_a_lookup_of_another_request_in_between_drops_the_memo() -> None:
+    kv = make_manager(num_gpu_blocks=12)
+    owner = make_request("owner", 5 * BLOCK_SIZE)
+    admit(kv, owner)
+    kv.free(owner)
+    waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+    other = make_request("other", tokens=owner.token_ids[: 2 * BLOCK_SIZE] + [8] * 3)
+    assert len(kv.get_computed_blocks(waiting)[0]) == 5
+    kv.block_pool.get_new_blocks(7)  # evicts the owner's block 5
+    assert [b.block_id for b in kv.get_computed_blocks(other)[0]] == [1, 2]
+    kv.block_pool.get_new_blocks(1)  # evicts block 4, logged after other's lookup
     assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
 
 

@@ -1,0 +1,77 @@
+"""Block-map snapshots against a block-by-block reading of the pool at the same moment."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import ClassVar
+
+import numpy as np
+import pytest
+
+import sim.runner
+from sim.block_map import CACHED, FREE, OWNED_BASE, BlockMapRecorder
+from sim.runner import simulate
+from sim.scenario import SCENARIO_DIR, load_scenario
+from sim.scheduler.scheduler import Scheduler
+
+
+class CheckedBlockMap(BlockMapRecorder):
+    """Checks every snapshot it takes against the pool read block by block."""
+
+    instances: ClassVar[list[CheckedBlockMap]] = []
+
+    def __init__(self) -> None:
+        super().__init__(max_snapshots=10_000, first_interval=3)
+        self.checked = 0
+        self.walked_cached_blocks = 0  # snapshots that listed the cached blocks, not the free
+        CheckedBlockMap.instances.append(self)
+
+    def maybe_snapshot(
+        self, step: int, now_s: float, scheduler: Scheduler, class_of: Callable[[str], str]
+    ) -> None:
+        taken = len(self.states)
+        pool = scheduler.kv_cache_manager.block_pool
+        shorter_cached = len(pool.first_cached_block) < len(pool.free_queue)
+        super().maybe_snapshot(step, now_s, scheduler, class_of)
+        if len(self.states) == taken:
+            return
+        expected = np.full(pool.num_gpu_blocks, FREE, dtype=np.uint8)
+        for block in pool.blocks:
+            if block.block_hash is not None:
+                expected[block.block_id] = CACHED
+        tables = scheduler.kv_cache_manager.req_to_blocks
+        for request in scheduler.running:
+            code = OWNED_BASE + self.classes[class_of(request.request_id)]
+            for block in tables[request.request_id]:
+                expected[block.block_id] = code
+        np.testing.assert_array_equal(self.states[-1], expected)
+        self.checked += 1
+        self.walked_cached_blocks += shorter_cached
+
+
+@pytest.mark.parametrize("num_blocks", [600, 20_000])
+def test_snapshots_match_the_pool_block_by_block(
+    monkeypatch: pytest.MonkeyPatch, num_blocks: int
+) -> None:
+    # A tight pool (the free queue is shorter than the prefix cache) and a roomy one (the
+    # other way round); priority classes share the system prompt's blocks.
+    scenario = load_scenario(
+        SCENARIO_DIR / "priority-mix.yaml",
+        [
+            f"engine.num_gpu_blocks_override={num_blocks}",
+            "engine.max_model_len=8192",
+            "workload.max_context_tokens=8192",
+            "workload.sessions=12",
+            "limits.max_duration_s=120",
+        ],
+    )
+    CheckedBlockMap.instances.clear()
+    monkeypatch.setattr(sim.runner, "BlockMapRecorder", CheckedBlockMap)
+    simulate(scenario)
+    (block_map,) = CheckedBlockMap.instances
+    assert block_map.checked > 20
+    assert len(block_map.classes) >= 2
+    if num_blocks == 600:
+        assert block_map.walked_cached_blocks < block_map.checked
+    else:
+        assert block_map.walked_cached_blocks > 0
