@@ -302,17 +302,21 @@ def test_kernel_params_need_every_elementwise_kind() -> None:
         KernelParams.model_validate(kernels)
 
 
+# A GEMM fit with round figures, no floor and no spread (the fastest kernel alone).
+SIMPLE_GEMM = GemmFit(
+    floor_s=0.0,
+    compute_efficiency=0.8,
+    bandwidth_efficiency=0.9,
+    full_ctas_per_sm=1.0,
+    occupancy_exponent=0.5,
+    overlap_exponent=4.0,
+)
+
+
 def test_selection_spread_averages_the_kernels_near_the_fastest() -> None:
     """Spread 0 prices the fastest kernel; a spread weighs in slower kernels, more the wider
     it is."""
-    fastest_only = GemmFit(
-        floor_s=0.0,
-        compute_efficiency=0.8,
-        bandwidth_efficiency=0.9,
-        full_ctas_per_sm=1.0,
-        occupancy_exponent=0.5,
-        overlap_exponent=4.0,
-    )
+    fastest_only = SIMPLE_GEMM
     m = np.array([1.0, 136.0, 640.0, 4096.0])
 
     def price(fit: GemmFit) -> np.ndarray:
@@ -334,27 +338,13 @@ def test_selection_spread_averages_the_kernels_near_the_fastest() -> None:
 def test_selection_spread_keeps_an_empty_gemm_infinite_not_nan() -> None:
     """With no token (m = 0) no kernel runs at full occupancy: every candidate is infinite,
     with or without a spread (the fit and the prices never see a NaN)."""
-    fit = GemmFit(
-        floor_s=0.0,
-        compute_efficiency=0.8,
-        bandwidth_efficiency=0.9,
-        full_ctas_per_sm=1.0,
-        occupancy_exponent=0.5,
-        overlap_exponent=4.0,
-        selection_spread=0.2,
-    )
+    fit = SIMPLE_GEMM.model_copy(update={"selection_spread": 0.2})
     m = np.array([0.0, 1.0])
     spread = gemm_time_s(
         m, 4096, 4096, fit, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
     )
     fastest = gemm_time_s(
-        m,
-        4096,
-        4096,
-        fit.model_copy(update={"selection_spread": 0.0}),
-        132,
-        H100.bf16_flops_per_s,
-        H100.hbm_bandwidth_bytes_per_s,
+        m, 4096, 4096, SIMPLE_GEMM, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
     )
     assert not np.isnan(spread).any()
     assert spread[0] == fastest[0] == np.inf

@@ -307,14 +307,20 @@ def fresh_lookup(kv: KVCacheManager, request: Request) -> list[int]:
     return [b.block_id for b in kv.get_computed_blocks(request)[0]]
 
 
+def cached_owner_and_waiting(kv: KVCacheManager) -> tuple[Request, Request]:
+    """An owner whose 5 blocks (1-5) were cached and freed (free queue: 6..11, then 5, 4, 3,
+    2, 1, tail first), and a waiting request whose prompt extends the owner's by a block."""
+    owner = make_request("owner", 5 * BLOCK_SIZE)
+    admit(kv, owner)
+    kv.free(owner)
+    return owner, make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+
+
 def test_repeated_lookup_sees_evictions_of_its_hits_and_new_registrations() -> None:
     # A waiting request asks again every step; between asks, blocks it hit are evicted
     # (popped from the free queue) and blocks it could hit are registered.
     kv = make_manager(num_gpu_blocks=12)
-    owner = make_request("owner", 5 * BLOCK_SIZE)
-    admit(kv, owner)  # blocks 1-5 cached, under the owner's hashes
-    kv.free(owner)  # free queue: 6..11 (never used), then 5, 4, 3, 2, 1 (tail first)
-    waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+    _, waiting = cached_owner_and_waiting(kv)
     asked = [b.block_id for b in kv.get_computed_blocks(waiting)[0]]
     assert asked == [1, 2, 3, 4, 5]
     kv.block_pool.get_new_blocks(8)  # 6..11, then 5 and 4: the owner's blocks 4 and 5 go
@@ -328,10 +334,7 @@ def test_repeated_lookup_after_the_eviction_log_overflowed_looks_everything_up()
     from sim.kv import block_pool
 
     kv = make_manager(num_gpu_blocks=12)
-    owner = make_request("owner", 5 * BLOCK_SIZE)
-    admit(kv, owner)
-    kv.free(owner)
-    waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+    _, waiting = cached_owner_and_waiting(kv)
     assert len(kv.get_computed_blocks(waiting)[0]) == 5
     cap, block_pool.EVICTION_LOG_CAP = block_pool.EVICTION_LOG_CAP, 1
     try:
@@ -346,10 +349,7 @@ def test_repeated_lookup_after_the_eviction_log_overflowed_looks_everything_up()
 
 def test_a_lookup_of_another_request_in_between_drops_the_memo() -> None:
     kv = make_manager(num_gpu_blocks=12)
-    owner = make_request("owner", 5 * BLOCK_SIZE)
-    admit(kv, owner)
-    kv.free(owner)
-    waiting = make_request("waiting", tokens=owner.token_ids + [7] * BLOCK_SIZE)
+    owner, waiting = cached_owner_and_waiting(kv)
     other = make_request("other", tokens=owner.token_ids[: 2 * BLOCK_SIZE] + [8] * 3)
     assert len(kv.get_computed_blocks(waiting)[0]) == 5
     kv.block_pool.get_new_blocks(7)  # evicts the owner's block 5
