@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from itertools import chain
-from operator import attrgetter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -24,8 +23,6 @@ if TYPE_CHECKING:
 
 FREE, CACHED, OWNED_BASE = 0, 1, 2
 BLOCK_MAP_FILE = "block_map.npz"
-
-_block_id = attrgetter("block_id")
 
 
 class BlockMapRecorder:
@@ -71,7 +68,7 @@ class BlockMapRecorder:
             ]
             lengths = [len(blocks) for _, blocks in owners]
             owned = np.fromiter(
-                map(_block_id, chain.from_iterable(blocks for _, blocks in owners)),
+                chain.from_iterable(blocks for _, blocks in owners),
                 np.int64,
                 count=sum(lengths),
             )

@@ -245,7 +245,7 @@ class Engine(SinkBase):
             while k < num_steps:
                 pops.append((k, index))
                 k += block_size
-        num_free = len(pool.free_queue)
+        num_free = pool.num_free_blocks
         if pops:
             pops.sort()
             if len(pops) > num_free:
@@ -367,15 +367,11 @@ class Engine(SinkBase):
                 events.append((k if k > 0 else 0, index, 1))
                 k += block_size
         events.sort()
-        popitem = pool.free_queue.popitem
+        get_new_blocks = pool.get_new_blocks
         for k, index, kind in events:
             request = running[index]
             if kind == 0:
-                block = popitem(last=False)[1]
-                if block.block_hash is not None:
-                    pool.evict(block)
-                block.ref_cnt = 1
-                tables[request.request_id].append(block)
+                tables[request.request_id] += get_new_blocks(1)
                 pops_by_step[k] += 1
             else:
                 kv.cache_blocks(request, request.num_computed_tokens - num_steps + k + 1)

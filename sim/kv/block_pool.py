@@ -11,24 +11,26 @@ Mirrors ``vllm/v1/core/block_pool.py`` (vLLM 0.32):
   hashed blocks to the *tail* (kept as prefix cache, evicted LRU).
 - A prefix hit on a block with ref count 0 takes it out of the free queue (``touch``).
 
-The free queue is an ``OrderedDict`` keyed by block id: O(1) pop-front, append, prepend and
-remove from the middle, like vLLM's hand-made doubly linked list.
+Blocks are plain ids (block tables are lists of ints) and the per-block state lives in numpy
+arrays indexed by id (``ref_cnt``, ``block_hash`` with its ``hashed`` flag), so the bulk
+operations (a long agent context touched on admission and freed on finish, a prefill's new
+blocks) run vectorised instead of visiting one Python object per block.
+
+The free queue is two arrays: every front insertion lands before everything else in the
+queue, so it is a *front stack* (un-hashed frees, the top is the front of the queue)
+followed by a *tail FIFO* (the initial blocks, then hashed frees, with a head index).
+Only hashed free blocks are ever taken out of the middle (a prefix hit), and those are all
+in the FIFO: a touch deletes lazily, by clearing the block's ``fifo_pos`` (the index of its
+live FIFO entry); pops skip entries whose block no longer points at them, and the FIFO is
+compacted when it runs out of room. ``num_free_blocks`` is kept exact.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
-from itertools import compress, islice, repeat
-from operator import add, attrgetter, eq, is_not, not_, sub
 
 import numpy as np
-
-# The pool's bulk operations walk thousands of blocks per call (a long agent context is
-# touched on admission and freed on finish): they iterate with map() and friends, in C.
-_block_id = attrgetter("block_id")
-_ref_cnt = attrgetter("ref_cnt")
-_block_hash = attrgetter("block_hash")
 
 # Evicted hashes the pool logs between two prefix lookups (see BlockPool.eviction_log); a
 # batch of evictions is logged whole while the log is below the cap, so it can exceed it.
@@ -39,41 +41,39 @@ def _consume(iterator: Iterable[object]) -> None:
     deque(iterator, maxlen=0)
 
 
-class KVBlock:
-    """One block of ``block_size`` token slots in HBM."""
-
-    __slots__ = ("block_hash", "block_id", "ref_cnt")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        # Set while the block is registered in the prefix cache.
-        self.block_hash: int | None = None
-
-    def __repr__(self) -> str:
-        return f"KVBlock({self.block_id}, ref_cnt={self.ref_cnt}, hash={self.block_hash})"
-
-
 class BlockPool:
     """Allocates, frees and caches KV blocks; owns the free queue and the prefix-cache map."""
 
     def __init__(self, num_gpu_blocks: int, enable_caching: bool) -> None:
         if num_gpu_blocks < 2:
             raise ValueError(f"num_gpu_blocks={num_gpu_blocks}: need the null block plus one")
-        self.num_gpu_blocks = num_gpu_blocks
+        n = num_gpu_blocks
+        self.num_gpu_blocks = n
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_gpu_blocks)]
-        self.free_queue: OrderedDict[int, KVBlock] = OrderedDict(
-            (b.block_id, b) for b in self.blocks
-        )
+        # Per-block state, indexed by block id.
+        self.ref_cnt = np.zeros(n, dtype=np.int32)
+        # A block's prefix-cache hash, meaningful while ``hashed`` is set (it is registered).
+        self.block_hash = np.zeros(n, dtype=np.int64)
+        self.hashed = np.zeros(n, dtype=bool)
+        # The free queue (see the module docstring). Block 0, the null block, is never in it.
+        self._stack = np.empty(n, dtype=np.int64)  # front stack; [top - 1] is the front
+        self._top = 0
+        self._fifo = np.empty(2 * n, dtype=np.int64)
+        self._fifo[: n - 1] = np.arange(1, n)
+        self._head = 0
+        self._tail = n - 1
+        # Index in _fifo of the block's live FIFO entry, -1 when it has none.
+        self._fifo_pos = np.full(n, -1, dtype=np.int64)
+        self._fifo_pos[1:] = np.arange(n - 1)
+        self.num_free_blocks = n - 1
         # vLLM does not de-duplicate identical blocks (two requests prefilling the same prefix
         # at once each cache theirs), and a lookup returns the earliest-registered one. Such
-        # duplicates are rare, so the common case is one flat dict: hash -> first block;
-        # ``duplicate_blocks`` holds {block_id: block} in registration order for hashes with
-        # more than one holder (the first included).
-        self.first_cached_block: dict[int, KVBlock] = {}
-        self.duplicate_blocks: dict[int, dict[int, KVBlock]] = {}
-        self.null_block = self.free_queue.popitem(last=False)[1]
+        # duplicates are rare, so the common case is one flat dict: hash -> first block id;
+        # ``duplicate_blocks`` holds the ids in registration order for hashes with more than
+        # one holder (the first included).
+        self.first_cached_block: dict[int, int] = {}
+        self.duplicate_blocks: dict[int, list[int]] = {}
+        self.null_block = 0
         self.num_evicted_blocks = 0
         # The hashes evicted since the KV cache manager last emptied this log (its prefix
         # lookup memo reads it), up to EVICTION_LOG_CAP of them: when more pile up the log
@@ -82,10 +82,6 @@ class BlockPool:
 
     # -- queries ------------------------------------------------------------------------------
     @property
-    def num_free_blocks(self) -> int:
-        return len(self.free_queue)
-
-    @property
     def num_usable_blocks(self) -> int:
         """All blocks but the null block."""
         return self.num_gpu_blocks - 1
@@ -93,165 +89,250 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of usable blocks not in the free queue (``vllm:kv_cache_usage_perc``)."""
-        return 1.0 - len(self.free_queue) / (self.num_gpu_blocks - 1)
+        return 1.0 - self.num_free_blocks / (self.num_gpu_blocks - 1)
 
     @property
     def num_cached_free_blocks(self) -> int:
         """Free blocks that still hold prefix-cache content (evictable)."""
-        return sum(1 for b in self.free_queue.values() if b.block_hash is not None)
+        return int(np.count_nonzero(self.hashed & (self.ref_cnt == 0)))
 
-    def get_cached_block(self, block_hash: int) -> KVBlock | None:
-        """The block holding this prefix hash, if any (the earliest registered)."""
+    def block_hash_of(self, block_id: int) -> int | None:
+        """The prefix-cache hash a block is registered under, None if it has none."""
+        return int(self.block_hash[block_id]) if self.hashed[block_id] else None
+
+    def get_cached_block(self, block_hash: int) -> int | None:
+        """The id of the block holding this prefix hash, if any (the earliest registered)."""
         return self.first_cached_block.get(block_hash)
 
     @property
-    def cached_blocks(self) -> dict[int, dict[int, KVBlock]]:
-        """hash -> {block_id: block} in registration order (a view for checks and reports)."""
-        return {
-            h: dict(self.duplicate_blocks.get(h) or {b.block_id: b})
-            for h, b in self.first_cached_block.items()
-        }
+    def cached_blocks(self) -> dict[int, list[int]]:
+        """hash -> block ids in registration order (a view for checks and reports)."""
+        duplicates = self.duplicate_blocks
+        return {h: list(duplicates.get(h) or (b,)) for h, b in self.first_cached_block.items()}
 
     def cached_block_ids(self) -> np.ndarray:
-        """Ids of blocks in the prefix cache: all the free ones (evictable), and the owned
-        ones too when walking every cached block is shorter than walking the free queue
-        (each step touches a block object, the cost of a snapshot of the block map)."""
-        first = self.first_cached_block
-        if len(first) < len(self.free_queue):
-            ids = np.fromiter(map(_block_id, first.values()), np.int64, count=len(first))
-            if self.duplicate_blocks:
-                more = [i for holders in self.duplicate_blocks.values() for i in holders]
-                ids = np.concatenate([ids, np.asarray(more, dtype=np.int64)])
-            return ids
-        free = self.free_queue.values()
-        hashed = map(is_not, map(_block_hash, free), repeat(None))
-        return np.fromiter(map(_block_id, compress(free, hashed)), np.int64)
+        """Ids of the blocks in the prefix cache, free (evictable) and owned."""
+        return np.flatnonzero(self.hashed)
+
+    def num_free_among(self, block_ids: Sequence[int]) -> int:
+        """How many of these blocks are free (ref count 0)."""
+        if len(block_ids) == 1:
+            return int(self.ref_cnt[block_ids[0]] == 0)
+        return int(np.count_nonzero(self.ref_cnt[np.asarray(block_ids, dtype=np.int64)] == 0))
 
     def free_block_ids(self) -> list[int]:
         """Free queue order, front (allocated next) first."""
-        return list(self.free_queue)
+        fifo = self._fifo[self._head : self._tail]
+        live = fifo[self._fifo_pos[fifo] == np.arange(self._head, self._tail)]
+        return self._stack[: self._top][::-1].tolist() + live.tolist()
+
+    # -- the free queue -----------------------------------------------------------------------
+    def _pop_front(self, num_blocks: int) -> np.ndarray:
+        """Take ``num_blocks`` (at most ``num_free_blocks``) from the front of the queue."""
+        top = self._top
+        from_stack = min(num_blocks, top)
+        parts: list[np.ndarray] = []
+        if from_stack:
+            self._top = top - from_stack
+            parts.append(self._stack[top - from_stack : top][::-1].copy())
+        need = num_blocks - from_stack
+        fifo = self._fifo
+        fifo_pos = self._fifo_pos
+        head = self._head
+        while need:
+            # Live entries are at least `need` among the rest: read a chunk, keep its live ones.
+            end = min(self._tail, head + max(2 * need, 64))
+            chunk = fifo[head:end]
+            live = fifo_pos[chunk] == np.arange(head, end)
+            num_live = int(np.count_nonzero(live))
+            if num_live > need:
+                # Stop right after the need-th live entry.
+                end = head + int(np.searchsorted(np.cumsum(live), need)) + 1
+                chunk = chunk[: end - head]
+                live = live[: end - head]
+                num_live = need
+            taken = chunk if num_live == len(chunk) else chunk[live]
+            parts.append(taken)
+            fifo_pos[taken] = -1
+            need -= num_live
+            head = end
+        self._head = head
+        self.num_free_blocks -= num_blocks
+        if len(parts) == 1:
+            return parts[0]
+        return np.concatenate(parts)
+
+    def _pop_one(self) -> int:
+        """The front block, taken out of the queue (the 1-block path, in plain Python)."""
+        self.num_free_blocks -= 1
+        if self._top:
+            self._top -= 1
+            return int(self._stack[self._top])
+        fifo = self._fifo
+        fifo_pos = self._fifo_pos
+        head = self._head
+        while True:
+            block_id = int(fifo[head])
+            if fifo_pos[block_id] == head:
+                break
+            head += 1
+        fifo_pos[block_id] = -1
+        self._head = head + 1
+        return block_id
+
+    def _push_front(self, block_ids: np.ndarray) -> None:
+        """Prepend blocks one by one in the given order (the last ends up at the front)."""
+        top = self._top
+        self._stack[top : top + len(block_ids)] = block_ids
+        self._top = top + len(block_ids)
+
+    def _append(self, block_ids: np.ndarray) -> None:
+        """Append blocks to the tail in the given order."""
+        count = len(block_ids)
+        if self._tail + count > len(self._fifo):
+            self._compact(count)
+        tail = self._tail
+        self._fifo[tail : tail + count] = block_ids
+        self._fifo_pos[block_ids] = np.arange(tail, tail + count)
+        self._tail = tail + count
+
+    def _compact(self, room: int) -> None:
+        """Drop the FIFO's dead entries and move the live ones to the start, with ``room``
+        more entries of space after them."""
+        head, tail = self._head, self._tail
+        fifo = self._fifo[head:tail]
+        live = fifo[self._fifo_pos[fifo] == np.arange(head, tail)]
+        size = max(len(self._fifo), 2 * (len(live) + room))
+        new = np.empty(size, dtype=np.int64)
+        new[: len(live)] = live
+        self._fifo = new
+        self._fifo_pos[live] = np.arange(len(live))
+        self._head = 0
+        self._tail = len(live)
 
     # -- transitions --------------------------------------------------------------------------
-    def get_new_blocks(self, num_blocks: int) -> list[KVBlock]:
+    def get_new_blocks(self, num_blocks: int) -> list[int]:
         """Pop ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
-        free_queue = self.free_queue
-        if num_blocks > len(free_queue):
-            raise ValueError(f"cannot get {num_blocks} free blocks from {len(free_queue)}")
+        if num_blocks > self.num_free_blocks:
+            raise ValueError(f"cannot get {num_blocks} free blocks from {self.num_free_blocks}")
         if num_blocks == 1:
-            out = [free_queue.popitem(last=False)[1]]
-        else:
-            out = list(islice(free_queue.values(), num_blocks))
-            _consume(map(free_queue.__delitem__, map(_block_id, out)))
+            block_id = self._pop_one()
+            if self.hashed[block_id]:
+                self.evict(block_id)
+            self.ref_cnt[block_id] = 1
+            return [block_id]
+        ids = self._pop_front(num_blocks)
         if self.enable_caching:
-            hashes = list(map(_block_hash, out))
-            if hashes.count(None) != num_blocks:
-                hashed = list(map(is_not, hashes, repeat(None)))
+            hashed = self.hashed[ids]
+            if hashed.any():
+                evicted_ids = ids[hashed]
                 if self.duplicate_blocks:
-                    for block in compress(out, hashed):
-                        self.evict(block)
+                    _consume(map(self.evict, evicted_ids.tolist()))
                 else:
-                    evicted = list(compress(hashes, hashed))
+                    evicted = self.block_hash[evicted_ids].tolist()
+                    self.hashed[evicted_ids] = False
                     _consume(map(self.first_cached_block.__delitem__, evicted))
                     self.num_evicted_blocks += len(evicted)
                     if len(self.eviction_log) < EVICTION_LOG_CAP:
                         self.eviction_log += evicted
-                    _consume(map(setattr, out, repeat("block_hash"), repeat(None)))
-        _consume(map(setattr, out, repeat("ref_cnt"), repeat(1)))
-        return out
+        self.ref_cnt[ids] = 1
+        return ids.tolist()
 
-    def evict(self, block: KVBlock) -> None:
+    def evict(self, block_id: int) -> None:
         """Forget a block's prefix-cache hash (its content is about to be overwritten)."""
-        block_hash = block.block_hash
-        assert block_hash is not None
+        assert self.hashed[block_id], block_id
+        block_hash = int(self.block_hash[block_id])
         holders = self.duplicate_blocks.get(block_hash)
         if holders is None:
             del self.first_cached_block[block_hash]
         else:
-            del holders[block.block_id]
-            self.first_cached_block[block_hash] = next(iter(holders.values()))
+            holders.remove(block_id)
+            self.first_cached_block[block_hash] = holders[0]
             if len(holders) == 1:
                 del self.duplicate_blocks[block_hash]
-        block.block_hash = None
+        self.hashed[block_id] = False
         self.num_evicted_blocks += 1
         if len(self.eviction_log) < EVICTION_LOG_CAP:
             self.eviction_log.append(block_hash)
 
-    def touch(self, blocks: Sequence[KVBlock]) -> None:
+    def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
-        refs = list(map(_ref_cnt, blocks))
-        num_free = refs.count(0)
-        if num_free == len(refs):  # the common case: a whole freed context hit again
-            _consume(map(self.free_queue.__delitem__, map(_block_id, blocks)))
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(1)))
+        if not block_ids:
             return
+        ids = np.asarray(block_ids, dtype=np.int64)
+        refs = self.ref_cnt[ids]
+        free = refs == 0
+        num_free = int(np.count_nonzero(free))
         if num_free:
-            free_queue = self.free_queue
-            _consume(map(free_queue.__delitem__, compress(map(_block_id, blocks), map(not_, refs))))
-        _consume(map(setattr, blocks, repeat("ref_cnt"), map(add, refs, repeat(1))))
+            # Free hashed blocks sit in the FIFO: drop their entries there (lazily).
+            self._fifo_pos[ids if num_free == len(ids) else ids[free]] = -1
+            self.num_free_blocks -= num_free
+        self.ref_cnt[ids] = refs + 1
 
-    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+    def free_blocks(self, ordered_block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 return to the free queue.
 
-        ``ordered_blocks`` is in eviction order (first = evicted first): un-hashed blocks are
-        prepended in that order, hashed blocks appended in that order.
+        ``ordered_block_ids`` is in eviction order (first = evicted first): un-hashed blocks
+        are prepended in that order, hashed blocks appended in that order.
         """
-        blocks = list(ordered_blocks)
-        refs = list(map(_ref_cnt, blocks))
-        if refs.count(1) == len(refs):  # the common case: a finished request's own blocks
-            _consume(map(setattr, blocks, repeat("ref_cnt"), repeat(0)))
+        if not len(ordered_block_ids):
+            return
+        ids = np.asarray(ordered_block_ids, dtype=np.int64)
+        refs = self.ref_cnt[ids]
+        last = refs == 1
+        if last.all():  # the common case: a finished request's own blocks
+            self.ref_cnt[ids] = 0
         else:
-            assert 0 not in refs, blocks
-            _consume(map(setattr, blocks, repeat("ref_cnt"), map(sub, refs, repeat(1))))
-            blocks = list(compress(blocks, map(eq, refs, repeat(1))))
-            if not blocks:
+            assert refs.all(), ids
+            self.ref_cnt[ids] = refs - 1
+            ids = ids[last]
+            if not len(ids):
                 return
-        free_queue = self.free_queue
+        self.num_free_blocks += len(ids)
         if self.enable_caching:
-            hashes = list(map(_block_hash, blocks))
-            if None not in hashes:
-                free_queue.update(zip(map(_block_id, blocks), blocks, strict=True))
+            hashed = self.hashed[ids]
+            if hashed.all():
+                self._append(ids)
                 return
-            hashed = list(map(is_not, hashes, repeat(None)))
-            kept = list(compress(blocks, hashed))
-            free_queue.update(zip(map(_block_id, kept), kept, strict=True))
-            evict_first = list(compress(blocks, map(not_, hashed)))
-        else:
-            evict_first = blocks
-        move_to_end = free_queue.move_to_end
-        for block in reversed(evict_first):
-            free_queue[block.block_id] = block
-            move_to_end(block.block_id, last=False)
+            if hashed.any():
+                self._append(ids[hashed])
+                ids = ids[~hashed]
+        # Prepended one by one in eviction order: the first ends up at the very front.
+        self._push_front(ids[::-1])
 
     def cache_full_blocks(
         self,
         block_hashes: Sequence[int],
-        blocks: Sequence[KVBlock],
+        block_ids: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
     ) -> None:
-        """Register ``blocks[num_cached_blocks:num_full_blocks]`` under their hashes."""
+        """Register ``block_ids[num_cached_blocks:num_full_blocks]`` under their hashes."""
         if num_full_blocks - num_cached_blocks == 1:  # a decode filled its last block
-            block = blocks[num_cached_blocks]
+            block_id = block_ids[num_cached_blocks]
             block_hash = block_hashes[num_cached_blocks]
-            assert block.block_hash is None, block
-            block.block_hash = block_hash
-            self._register(block, block_hash)
+            assert not self.hashed[block_id], block_id
+            self.hashed[block_id] = True
+            self.block_hash[block_id] = block_hash
+            self._register(block_id, block_hash)
             return
         first = self.first_cached_block
-        new_blocks = blocks[num_cached_blocks:num_full_blocks]
+        new_ids = block_ids[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
-        assert not any(map(is_not, map(_block_hash, new_blocks), repeat(None))), new_blocks
-        _consume(map(setattr, new_blocks, repeat("block_hash"), new_hashes))
+        ids = np.asarray(new_ids, dtype=np.int64)
+        assert not self.hashed[ids].any(), new_ids
+        self.hashed[ids] = True
+        self.block_hash[ids] = new_hashes
         if not any(map(first.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
-            first.update(zip(new_hashes, new_blocks, strict=True))
+            first.update(zip(new_hashes, new_ids, strict=True))
             return
-        _consume(map(self._register, new_blocks, new_hashes))
+        _consume(map(self._register, new_ids, new_hashes))
 
-    def _register(self, block: KVBlock, block_hash: int) -> None:
+    def _register(self, block_id: int, block_hash: int) -> None:
         """Map a hash to its block (a second holder of a cached hash is a duplicate)."""
         holder = self.first_cached_block.get(block_hash)
         if holder is None:
-            self.first_cached_block[block_hash] = block
+            self.first_cached_block[block_hash] = block_id
         else:
-            holders = self.duplicate_blocks.setdefault(block_hash, {holder.block_id: holder})
-            holders[block.block_id] = block
+            holders = self.duplicate_blocks.setdefault(block_hash, [holder])
+            holders.append(block_id)

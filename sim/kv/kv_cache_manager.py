@@ -3,18 +3,17 @@
 One full-attention KV cache group (every decoder-only dense model), so this folds vLLM's
 ``KVCacheManager`` -> ``KVCacheCoordinator`` -> ``FullAttentionManager`` chain into one class.
 Read with ``vllm/v1/core/kv_cache_manager.py`` and ``single_type_kv_cache_manager.py``.
+Blocks are ids into the pool's arrays (see ``sim/kv/block_pool.py``): a block table is a
+list of ints, prefix hits and new blocks are lists of ids.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import repeat
-from operator import attrgetter
 
-from sim.kv.block_pool import BlockPool, KVBlock
+from sim.kv.block_pool import BlockPool
 from sim.request import Request, RequestStatus
-
-_ref_cnt = attrgetter("ref_cnt")
 
 
 class _LookupMemo:
@@ -24,7 +23,7 @@ class _LookupMemo:
 
     __slots__ = ("hits", "max_blocks", "position", "request", "version")
 
-    def __init__(self, request: Request, max_blocks: int, version: int, hits: list[KVBlock]):
+    def __init__(self, request: Request, max_blocks: int, version: int, hits: list[int]):
         self.request = request
         self.max_blocks = max_blocks
         self.version = version
@@ -32,16 +31,17 @@ class _LookupMemo:
         self.position: dict[int, int] | None = None
 
 
-def _short(needed: int, hits: Sequence[KVBlock], num_free: int) -> bool:
+def _short(pool: BlockPool, needed: int, hits: Sequence[int]) -> bool:
     """Whether ``needed`` free blocks plus one per prefix hit on a free (ref 0) block exceed
-    ``num_free``: touching a free hit takes it out of the free queue, so it costs a free
-    block like a fresh allocation. The hits are only counted when the bounds (none or all
-    of them free) do not decide."""
+    the pool's free blocks: touching a free hit takes it out of the free queue, so it costs
+    a free block like a fresh allocation. The hits are only counted when the bounds (none
+    or all of them free) do not decide."""
+    num_free = pool.num_free_blocks
     if needed > num_free:
         return True
     if needed + len(hits) <= num_free:
         return False
-    return needed + list(map(_ref_cnt, hits)).count(0) > num_free
+    return needed + pool.num_free_among(hits) > num_free
 
 
 def cdiv(a: int, b: int) -> int:
@@ -65,7 +65,8 @@ class KVCacheManager:
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
         # vLLM counts the watermark against all blocks, the null block included.
         self.watermark_blocks = int(watermark * num_gpu_blocks)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # Block ids per request, in token order.
+        self.req_to_blocks: dict[str, list[int]] = {}
         self.num_cached_block: dict[str, int] = {}
         # get_computed_blocks' last answer.
         self._lookup_memo: _LookupMemo | None = None
@@ -76,10 +77,10 @@ class KVCacheManager:
 
     def block_table(self, request_id: str) -> list[int]:
         """Block ids of a request, in token order."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+        return list(self.req_to_blocks.get(request_id, ()))
 
     # -- prefix cache -------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Longest chain of cached full blocks matching the request, and its token count.
 
         Capped at ``num_tokens - 1``: with every token cached the last one must still be
@@ -88,7 +89,7 @@ class KVCacheManager:
         hits = self._lookup(request)
         return list(hits), len(hits) * self.block_size
 
-    def _lookup(self, request: Request) -> list[KVBlock]:
+    def _lookup(self, request: Request) -> list[int]:
         """:meth:`get_computed_blocks`' hits, not copied: the memo's own list (read only)."""
         if not self.enable_caching:
             return []
@@ -137,11 +138,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int = 0,
-        new_computed_blocks: Sequence[KVBlock] = (),
+        new_computed_blocks: Sequence[int] = (),
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         has_scheduled_reqs: bool = True,
-    ) -> list[KVBlock] | None:
+    ) -> list[int] | None:
         """Give the request slots for ``num_new_tokens`` more tokens, or None if HBM is short.
 
         The scheduler sets ``full_sequence_must_fit`` when admitting a waiting request: its
@@ -169,17 +170,17 @@ class KVCacheManager:
         )
 
     def _grow(
-        self, request: Request, blocks: list[KVBlock], num_slot_tokens: int, num_new_tokens: int
-    ) -> list[KVBlock] | None:
+        self, request: Request, blocks: list[int], num_slot_tokens: int, num_new_tokens: int
+    ) -> list[int] | None:
         num_computed = request.num_computed_tokens
         num_tokens_need_slot = num_computed + num_slot_tokens
         if num_tokens_need_slot > self.max_model_len:
             num_tokens_need_slot = self.max_model_len
         num_new_blocks = -(-num_tokens_need_slot // self.block_size) - len(blocks)
-        new_blocks: list[KVBlock] = []
+        new_blocks: list[int] = []
         if num_new_blocks > 0:
             pool = self.block_pool
-            if num_new_blocks > len(pool.free_queue):
+            if num_new_blocks > pool.num_free_blocks:
                 return None
             new_blocks = pool.get_new_blocks(num_new_blocks)
             blocks.extend(new_blocks)
@@ -197,11 +198,11 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         num_new_computed_tokens: int,
-        new_computed_blocks: Sequence[KVBlock],
+        new_computed_blocks: Sequence[int],
         num_lookahead_tokens: int,
         full_sequence_must_fit: bool,
         has_scheduled_reqs: bool,
-    ) -> list[KVBlock] | None:
+    ) -> list[int] | None:
         assert num_new_tokens > 0 or num_new_computed_tokens > 0
         pool = self.block_pool
         num_computed = request.num_computed_tokens + num_new_computed_tokens
@@ -209,14 +210,13 @@ class KVCacheManager:
         watermark_blocks = 0
         if has_scheduled_reqs and request.status is not RequestStatus.RUNNING:
             watermark_blocks = self.watermark_blocks
-        num_free = pool.num_free_blocks
         # A prefix hit on a free (ref 0) block takes it out of the free queue, so it costs a
         # free block just like a fresh allocation.
         num_hit = len(new_computed_blocks)
         if full_sequence_must_fit and _short(
+            pool,
             self._full_sequence_new_blocks(request, num_hit) + watermark_blocks,
             new_computed_blocks,
-            num_free,
         ):
             return None
 
@@ -224,7 +224,7 @@ class KVCacheManager:
             total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len
         )
         num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - num_hit, 0)
-        if _short(num_new_blocks + watermark_blocks, new_computed_blocks, num_free):
+        if _short(pool, num_new_blocks + watermark_blocks, new_computed_blocks):
             return None
 
         if self.enable_caching:
@@ -256,7 +256,7 @@ class KVCacheManager:
         """
         hits = self._lookup(request)
         needed = self._full_sequence_new_blocks(request, len(hits)) + self.watermark_blocks
-        blocked = _short(needed, hits, self.block_pool.num_free_blocks)
+        blocked = _short(self.block_pool, needed, hits)
         miss: int | None = None
         if self.enable_caching and len(hits) < (len(request.token_ids) - 1) // self.block_size:
             miss = request.block_hashes[len(hits)]
@@ -279,4 +279,4 @@ class KVCacheManager:
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_block.pop(request.request_id, None)
         if blocks:
-            self.block_pool.free_blocks(reversed(blocks))
+            self.block_pool.free_blocks(blocks[::-1])

@@ -47,7 +47,7 @@ def schedule_prefill(kv: KVCacheManager, request: Request, num_new_tokens: int) 
     new_blocks = kv.allocate_slots(request, num_new_tokens)
     assert new_blocks is not None
     request.num_computed_tokens += num_new_tokens
-    return [b.block_id for b in new_blocks]
+    return list(new_blocks)
 
 
 def admit(kv: KVCacheManager, request: Request) -> tuple[int, list[int]]:
@@ -63,11 +63,11 @@ def admit(kv: KVCacheManager, request: Request) -> tuple[int, list[int]]:
     assert new_blocks is not None
     request.mark_running(num_hit)
     request.num_computed_tokens = request.num_tokens
-    return num_hit, [b.block_id for b in new_blocks]
+    return num_hit, list(new_blocks)
 
 
 def ref_cnts(kv: KVCacheManager, block_ids: Sequence[int]) -> list[int]:
-    return [kv.block_pool.blocks[i].ref_cnt for i in block_ids]
+    return [int(kv.block_pool.ref_cnt[i]) for i in block_ids]
 
 
 def test_allocate_slots_fresh_request() -> None:
@@ -98,7 +98,7 @@ def test_allocate_slots_with_lookahead() -> None:
     request = make_request("a", 40)
     new_blocks = kv.allocate_slots(request, 16, num_lookahead_tokens=4)
     assert new_blocks is not None
-    assert [b.block_id for b in new_blocks] == [1, 2]  # 16 + 4 tokens need two blocks
+    assert list(new_blocks) == [1, 2]  # 16 + 4 tokens need two blocks
     assert kv.block_table("a") == [1, 2]
 
 
@@ -118,7 +118,7 @@ def test_prefix_hit_of_a_second_request_sharing_two_full_blocks() -> None:
 
     second = make_request("b", tokens=shared + [500 + i for i in range(8)])
     hit_blocks, num_hit = kv.get_computed_blocks(second)
-    assert [b.block_id for b in hit_blocks] == [1, 2]
+    assert list(hit_blocks) == [1, 2]
     assert num_hit == 32
     assert admit(kv, second) == (32, [4])
     assert kv.block_table("b") == [1, 2, 4]
@@ -151,7 +151,7 @@ def test_prefix_lookup_is_capped_at_num_tokens_minus_one() -> None:
     # Both blocks are cached, but the last token must be computed: only one block hits.
     repeat = make_request("b", tokens=prompt)
     hit_blocks, num_hit = kv.get_computed_blocks(repeat)
-    assert [b.block_id for b in hit_blocks] == [1]
+    assert list(hit_blocks) == [1]
     assert num_hit == 16
     assert admit(kv, repeat) == (16, [3])
     assert kv.block_table("b") == [1, 3]
@@ -167,7 +167,7 @@ def test_prefix_lookup_stops_at_the_first_miss() -> None:
     tokens[20] = -1
     second = make_request("b", tokens=[*tokens, 99])
     hit_blocks, num_hit = kv.get_computed_blocks(second)
-    assert [b.block_id for b in hit_blocks] == [1]
+    assert list(hit_blocks) == [1]
     assert num_hit == 16
 
 
@@ -177,14 +177,14 @@ def test_cache_blocks_registers_only_full_blocks_at_scheduling_time() -> None:
     pool = kv.block_pool
 
     assert schedule_prefill(kv, request, 20) == [1, 2]
-    assert pool.blocks[1].block_hash == request.block_hashes[0]
-    assert pool.blocks[2].block_hash is None  # half full
-    assert pool.get_cached_block(request.block_hashes[0]) is pool.blocks[1]
+    assert pool.block_hash_of(1) == request.block_hashes[0]
+    assert pool.block_hash_of(2) is None  # half full
+    assert pool.get_cached_block(request.block_hashes[0]) == 1
     assert pool.get_cached_block(request.block_hashes[1]) is None
 
     assert schedule_prefill(kv, request, 20) == [3]
-    assert pool.blocks[2].block_hash == request.block_hashes[1]
-    assert pool.blocks[3].block_hash is None  # tokens 32..39 of 48
+    assert pool.block_hash_of(2) == request.block_hashes[1]
+    assert pool.block_hash_of(3) is None  # tokens 32..39 of 48
     assert kv.num_cached_block["a"] == 2
     assert len(pool.cached_blocks) == 2
 
@@ -234,7 +234,7 @@ def test_watermark_does_not_apply_to_a_running_request() -> None:
     running.mark_running(0)
     new_blocks = kv.allocate_slots(running, 9 * BLOCK_SIZE, has_scheduled_reqs=True)
     assert new_blocks is not None
-    assert [b.block_id for b in new_blocks] == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert list(new_blocks) == [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
 def test_watermark_applies_to_a_preempted_request() -> None:
@@ -253,7 +253,7 @@ def test_full_sequence_must_fit_refuses_a_prompt_that_cannot_finish() -> None:
     assert kv.block_pool.num_free_blocks == 4
     new_blocks = kv.allocate_slots(request, BLOCK_SIZE, full_sequence_must_fit=False)
     assert new_blocks is not None
-    assert [b.block_id for b in new_blocks] == [1]
+    assert list(new_blocks) == [1]
 
 
 def test_full_sequence_must_fit_counts_prefix_hits_on_used_blocks_as_free() -> None:
@@ -290,7 +290,7 @@ def test_prefix_caching_disabled_no_hits_and_frees_to_the_front() -> None:
     prompt = list(range(40))
     first = make_request("a", tokens=prompt)
     assert admit(kv, first) == (0, [1, 2, 3])
-    assert all(b.block_hash is None for b in kv.block_pool.blocks)
+    assert not kv.block_pool.hashed.any()
     assert kv.block_pool.cached_blocks == {}
 
     second = make_request("b", tokens=prompt)
@@ -304,7 +304,7 @@ def test_prefix_caching_disabled_no_hits_and_frees_to_the_front() -> None:
 def fresh_lookup(kv: KVCacheManager, request: Request) -> list[int]:
     """The prefix hit block ids with no memo from earlier lookups."""
     kv._lookup_memo = None
-    return [b.block_id for b in kv.get_computed_blocks(request)[0]]
+    return kv.get_computed_blocks(request)[0]
 
 
 def cached_owner_and_waiting(kv: KVCacheManager) -> tuple[Request, Request]:
@@ -321,11 +321,11 @@ def test_repeated_lookup_sees_evictions_of_its_hits_and_new_registrations() -> N
     # (popped from the free queue) and blocks it could hit are registered.
     kv = make_manager(num_gpu_blocks=12)
     _, waiting = cached_owner_and_waiting(kv)
-    asked = [b.block_id for b in kv.get_computed_blocks(waiting)[0]]
+    asked = kv.get_computed_blocks(waiting)[0]
     assert asked == [1, 2, 3, 4, 5]
     kv.block_pool.get_new_blocks(8)  # 6..11, then 5 and 4: the owner's blocks 4 and 5 go
     assert kv.block_pool.eviction_log  # the manager reads it on the next lookup
-    assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
+    assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3]
     assert fresh_lookup(kv, waiting) == [1, 2, 3]
     assert kv.block_pool.eviction_log == []
 
@@ -344,7 +344,7 @@ def test_repeated_lookup_after_the_eviction_log_overflowed_looks_everything_up()
         block_pool.EVICTION_LOG_CAP = cap
     # Incomplete (one of two evictions): trusting it would keep the stale hit on block 4.
     assert len(kv.block_pool.eviction_log) == 1
-    assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
+    assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3]
 
 
 def test_a_lookup_of_another_request_in_between_drops_the_memo() -> None:
@@ -353,9 +353,9 @@ def test_a_lookup_of_another_request_in_between_drops_the_memo() -> None:
     other = make_request("other", tokens=owner.token_ids[: 2 * BLOCK_SIZE] + [8] * 3)
     assert len(kv.get_computed_blocks(waiting)[0]) == 5
     kv.block_pool.get_new_blocks(7)  # evicts the owner's block 5
-    assert [b.block_id for b in kv.get_computed_blocks(other)[0]] == [1, 2]
+    assert kv.get_computed_blocks(other)[0] == [1, 2]
     kv.block_pool.get_new_blocks(1)  # evicts block 4, logged after other's lookup
-    assert [b.block_id for b in kv.get_computed_blocks(waiting)[0]] == [1, 2, 3]
+    assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3]
 
 
 def test_memoized_lookup_matches_a_fresh_one_under_random_churn() -> None:
@@ -375,8 +375,8 @@ def test_memoized_lookup_matches_a_fresh_one_under_random_churn() -> None:
                 kv.free(other)
         else:
             taken = pool.get_new_blocks(rng.randrange(1, pool.num_free_blocks + 1))
-            pool.free_blocks(reversed(taken))
-        memoized = [b.block_id for b in kv.get_computed_blocks(waiting)[0]]
+            pool.free_blocks(taken[::-1])
+        memoized = kv.get_computed_blocks(waiting)[0]
         assert memoized == fresh_lookup(kv, waiting), round_
         num_hits.add(len(memoized))
     assert len(num_hits) > 5  # the hits grew and shrank

@@ -142,38 +142,39 @@ def check_block_accounting(scheduler: Scheduler) -> None:
     """Free xor referenced, ref counts == table memberships, no duplicates, cache map."""
     kv = scheduler.kv_cache_manager
     pool = kv.block_pool
-    free_queue = pool.free_queue
-    assert pool.null_block.block_id not in free_queue
-    assert pool.null_block.ref_cnt == 0
+    free = pool.free_block_ids()
+    assert len(set(free)) == len(free) == pool.num_free_blocks
+    free_set = set(free)
+    assert pool.null_block == 0
+    assert 0 not in free_set
+    assert pool.ref_cnt[0] == 0
 
     owners: Counter[int] = Counter()
-    for request_id, blocks in kv.req_to_blocks.items():
-        block_ids = [b.block_id for b in blocks]
+    for request_id, block_ids in kv.req_to_blocks.items():
         assert len(set(block_ids)) == len(block_ids), (request_id, block_ids)
         assert 0 not in block_ids, (request_id, block_ids)
         owners.update(block_ids)
 
     num_referenced = 0
-    for block in pool.blocks[1:]:
-        assert block.ref_cnt >= 0, block
-        assert block.ref_cnt == owners[block.block_id], (block, owners[block.block_id])
-        in_free_queue = block.block_id in free_queue
-        assert in_free_queue != (block.ref_cnt > 0), block
-        num_referenced += block.ref_cnt > 0
+    for block_id in range(1, pool.num_gpu_blocks):
+        ref_cnt = int(pool.ref_cnt[block_id])
+        assert ref_cnt >= 0, block_id
+        assert ref_cnt == owners[block_id], (block_id, ref_cnt, owners[block_id])
+        assert (block_id in free_set) != (ref_cnt > 0), block_id
+        num_referenced += ref_cnt > 0
     assert pool.num_free_blocks + num_referenced == pool.num_usable_blocks
     assert 0.0 <= pool.usage <= 1.0
 
     num_hashed = 0
     for block_hash, holders in pool.cached_blocks.items():
         assert holders, block_hash
-        for block_id, block in holders.items():
-            assert block.block_id == block_id
-            assert block.block_hash == block_hash
+        assert len(set(holders)) == len(holders), holders
+        for block_id in holders:
+            assert pool.block_hash_of(block_id) == block_hash
             num_hashed += 1
-    assert num_hashed == sum(b.block_hash is not None for b in pool.blocks)
-    cached_free = {b.block_id for b in free_queue.values() if b.block_hash is not None}
-    listed = set(pool.cached_block_ids().tolist())
-    assert cached_free <= listed <= {b.block_id for b in pool.blocks if b.block_hash is not None}
+    hashed = {i for i in range(pool.num_gpu_blocks) if pool.block_hash_of(i) is not None}
+    assert num_hashed == len(hashed)
+    assert set(pool.cached_block_ids().tolist()) == hashed
     if not kv.enable_caching:
         assert num_hashed == 0
 
@@ -195,8 +196,9 @@ def check_requests(scheduler: Scheduler) -> None:
             # Full computed blocks are cached under the request's own hashes; the rest are not.
             num_full = request.num_computed_tokens // bs
             assert kv.num_cached_block[request.request_id] == num_full
-            assert [b.block_hash for b in blocks[:num_full]] == request.block_hashes[:num_full]
-            assert all(b.block_hash is None for b in blocks[num_full:])
+            hashes = [kv.block_pool.block_hash_of(b) for b in blocks]
+            assert hashes[:num_full] == request.block_hashes[:num_full]
+            assert hashes[num_full:] == [None] * (len(blocks) - num_full)
     for request in scheduler.waiting:
         assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
         assert request.num_computed_tokens == 0
