@@ -141,17 +141,16 @@ class BlockPool:
         head = self._head
         while need:
             # Live entries are at least `need` among the rest: read a chunk, keep its live ones.
-            end = min(self._tail, head + max(2 * need, 64))
+            end = min(self._tail, head + need + (need >> 1) + 32)
             chunk = fifo[head:end]
-            live = fifo_pos[chunk] == np.arange(head, end)
-            num_live = int(np.count_nonzero(live))
-            if num_live > need:
+            live = np.flatnonzero(fifo_pos[chunk] == np.arange(head, end))
+            num_live = len(live)
+            if num_live >= need:
                 # Stop right after the need-th live entry.
-                end = head + int(np.searchsorted(np.cumsum(live), need)) + 1
-                chunk = chunk[: end - head]
-                live = live[: end - head]
                 num_live = need
-            taken = chunk if num_live == len(chunk) else chunk[live]
+                end = head + int(live[need - 1]) + 1
+                live = live[:need]
+            taken = chunk[: end - head] if num_live == end - head else chunk[live]
             parts.append(taken)
             fifo_pos[taken] = -1
             need -= num_live
@@ -316,23 +315,22 @@ class BlockPool:
             self.block_hash[block_id] = block_hash
             self._register(block_id, block_hash)
             return
-        first = self.first_cached_block
         new_ids = block_ids[num_cached_blocks:num_full_blocks]
         new_hashes = block_hashes[num_cached_blocks:num_full_blocks]
         ids = np.asarray(new_ids, dtype=np.int64)
         assert not self.hashed[ids].any(), new_ids
         self.hashed[ids] = True
         self.block_hash[ids] = new_hashes
-        if not any(map(first.__contains__, new_hashes)) and len(set(new_hashes)) == len(new_hashes):
-            first.update(zip(new_hashes, new_ids, strict=True))
-            return
-        _consume(map(self._register, new_ids, new_hashes))
+        # One pass over the map: each hash gets its block unless it already has a holder
+        # (an earlier one, or a repeat within these blocks), which then stays first.
+        holders = list(map(self.first_cached_block.setdefault, new_hashes, new_ids))
+        if holders != new_ids:
+            for block_id, block_hash, holder in zip(new_ids, new_hashes, holders, strict=True):
+                if holder != block_id:
+                    self.duplicate_blocks.setdefault(block_hash, [holder]).append(block_id)
 
     def _register(self, block_id: int, block_hash: int) -> None:
         """Map a hash to its block (a second holder of a cached hash is a duplicate)."""
-        holder = self.first_cached_block.get(block_hash)
-        if holder is None:
-            self.first_cached_block[block_hash] = block_id
-        else:
-            holders = self.duplicate_blocks.setdefault(block_hash, [holder])
-            holders.append(block_id)
+        holder = self.first_cached_block.setdefault(block_hash, block_id)
+        if holder != block_id:
+            self.duplicate_blocks.setdefault(block_hash, [holder]).append(block_id)
