@@ -23,6 +23,10 @@ Only hashed free blocks are ever taken out of the middle (a prefix hit), and tho
 in the FIFO: a touch deletes lazily, by clearing the block's ``fifo_pos`` (the index of its
 live FIFO entry); pops skip entries whose block no longer points at them, and the FIFO is
 compacted when it runs out of room. ``num_free_blocks`` is kept exact.
+
+The prefix cache is a dict from hash to the earliest-registered holder's id (duplicates,
+rare, listed apart). Each eviction stamps the block with the running eviction count
+(``evicted_at``), which lets the KV cache manager keep a prefix lookup across steps.
 """
 
 from __future__ import annotations
@@ -31,10 +35,6 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-
-# Evicted hashes the pool logs between two prefix lookups (see BlockPool.eviction_log); a
-# batch of evictions is logged whole while the log is below the cap, so it can exceed it.
-EVICTION_LOG_CAP = 4096
 
 
 def _consume(iterator: Iterable[object]) -> None:
@@ -55,6 +55,10 @@ class BlockPool:
         # A block's prefix-cache hash, meaningful while ``hashed`` is set (it is registered).
         self.block_hash = np.zeros(n, dtype=np.int64)
         self.hashed = np.zeros(n, dtype=bool)
+        # ``num_evicted_blocks`` just after the block's last eviction (0: never evicted): a
+        # prefix lookup made when the count was v still holds for a hit block unless this
+        # is above v (see KVCacheManager._lookup).
+        self.evicted_at = np.zeros(n, dtype=np.int64)
         # The free queue (see the module docstring). Block 0, the null block, is never in it.
         self._stack = np.empty(n, dtype=np.int64)  # front stack; [top - 1] is the front
         self._top = 0
@@ -75,10 +79,6 @@ class BlockPool:
         self.duplicate_blocks: dict[int, list[int]] = {}
         self.null_block = 0
         self.num_evicted_blocks = 0
-        # The hashes evicted since the KV cache manager last emptied this log (its prefix
-        # lookup memo reads it), up to EVICTION_LOG_CAP of them: when more pile up the log
-        # is incomplete (shorter than the eviction count says) and the memo is dropped.
-        self.eviction_log: list[int] = []
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -232,8 +232,7 @@ class BlockPool:
                     self.hashed[evicted_ids] = False
                     _consume(map(self.first_cached_block.__delitem__, evicted))
                     self.num_evicted_blocks += len(evicted)
-                    if len(self.eviction_log) < EVICTION_LOG_CAP:
-                        self.eviction_log += evicted
+                    self.evicted_at[evicted_ids] = self.num_evicted_blocks
         self.ref_cnt[ids] = 1
         return ids.tolist()
 
@@ -251,8 +250,7 @@ class BlockPool:
                 del self.duplicate_blocks[block_hash]
         self.hashed[block_id] = False
         self.num_evicted_blocks += 1
-        if len(self.eviction_log) < EVICTION_LOG_CAP:
-            self.eviction_log.append(block_hash)
+        self.evicted_at[block_id] = self.num_evicted_blocks
 
     def touch(self, block_ids: Sequence[int]) -> None:
         """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""

@@ -10,7 +10,8 @@ list of ints, prefix hits and new blocks are lists of ids.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from itertools import repeat
+
+import numpy as np
 
 from sim.kv.block_pool import BlockPool
 from sim.request import Request, RequestStatus
@@ -18,17 +19,17 @@ from sim.request import Request, RequestStatus
 
 class _LookupMemo:
     """The last prefix lookup: its request, the block count it could hit, the pool's
-    eviction count it is valid at, its hits, and (built on first need) the position of
-    each of the request's first ``max_blocks`` hashes."""
+    eviction count it is valid at, its hits, and (built on first need) the hits as an
+    array."""
 
-    __slots__ = ("hits", "max_blocks", "position", "request", "version")
+    __slots__ = ("hit_array", "hits", "max_blocks", "request", "version")
 
     def __init__(self, request: Request, max_blocks: int, version: int, hits: list[int]):
         self.request = request
         self.max_blocks = max_blocks
         self.version = version
         self.hits = hits
-        self.position: dict[int, int] | None = None
+        self.hit_array: np.ndarray | None = None
 
 
 def _short(pool: BlockPool, needed: int, hits: Sequence[int]) -> bool:
@@ -98,24 +99,25 @@ class KVCacheManager:
         get = pool.first_cached_block.get
         hashes = request.block_hashes
         # The scheduler asks again for the head of the queue every step it cannot admit it.
-        # Registrations only add hashes and only an eviction changes a hash's first block,
-        # so the last answer for this request still stands up to its first hit whose hash
-        # was evicted since (the pool logs them): look further from there.
+        # Registrations only add holders behind a hash's first block and only the eviction
+        # of that block changes it, so the last answer for this request still stands up to
+        # its first hit block evicted since (the pool stamps evictions): look further from
+        # there.
         version = pool.num_evicted_blocks
-        log = pool.eviction_log
         memo = self._lookup_memo
         if memo is not None and memo.request is request and memo.max_blocks == max_blocks:
             hits = memo.hits
             if version != memo.version:
                 if hits:
-                    position = memo.position
-                    if position is None:
-                        position = dict(zip(hashes[:max_blocks], range(max_blocks), strict=True))
-                        memo.position = position
-                    if version - memo.version != len(log) or len(position) != max_blocks:
-                        del hits[:]  # the log overflowed (or a hash repeats): look up all
-                    else:
-                        del hits[min(map(position.get, log, repeat(max_blocks))) :]
+                    hit_array = memo.hit_array
+                    if hit_array is None or len(hit_array) != len(hits):
+                        hit_array = np.asarray(hits, dtype=np.int64)
+                    stale = np.flatnonzero(pool.evicted_at[hit_array] > memo.version)
+                    if len(stale):
+                        cut = int(stale[0])
+                        del hits[cut:]
+                        hit_array = hit_array[:cut]
+                    memo.hit_array = hit_array
                 memo.version = version
             num_hits = len(hits)
             if num_hits < max_blocks and get(hashes[num_hits]) is not None:
@@ -129,7 +131,6 @@ class KVCacheManager:
             if None in hits:
                 del hits[hits.index(None) :]
             self._lookup_memo = _LookupMemo(request, max_blocks, version, hits)
-        log.clear()
         return hits
 
     # -- allocation ---------------------------------------------------------------------------

@@ -324,27 +324,26 @@ def test_repeated_lookup_sees_evictions_of_its_hits_and_new_registrations() -> N
     asked = kv.get_computed_blocks(waiting)[0]
     assert asked == [1, 2, 3, 4, 5]
     kv.block_pool.get_new_blocks(8)  # 6..11, then 5 and 4: the owner's blocks 4 and 5 go
-    assert kv.block_pool.eviction_log  # the manager reads it on the next lookup
+    # Both stamped with the eviction count after this pop: the memo was made at 0.
+    assert kv.block_pool.evicted_at[[3, 4, 5]].tolist() == [0, 2, 2]
     assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3]
     assert fresh_lookup(kv, waiting) == [1, 2, 3]
-    assert kv.block_pool.eviction_log == []
 
 
-def test_repeated_lookup_after_the_eviction_log_overflowed_looks_everything_up() -> None:
-    from sim.kv import block_pool
-
-    kv = make_manager(num_gpu_blocks=12)
-    _, waiting = cached_owner_and_waiting(kv)
-    assert len(kv.get_computed_blocks(waiting)[0]) == 5
-    cap, block_pool.EVICTION_LOG_CAP = block_pool.EVICTION_LOG_CAP, 1
-    try:
-        kv.block_pool.get_new_blocks(7)  # 6..11, then the owner's block 5: logged
-        kv.block_pool.get_new_blocks(1)  # the owner's block 4: the log is full
-    finally:
-        block_pool.EVICTION_LOG_CAP = cap
-    # Incomplete (one of two evictions): trusting it would keep the stale hit on block 4.
-    assert len(kv.block_pool.eviction_log) == 1
-    assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3]
+def test_repeated_lookup_drops_a_hit_block_evicted_then_cached_again_behind_another() -> None:
+    # The hit block holds the same hash again after its eviction, but as a duplicate behind
+    # the block that registered it in between: the lookup now answers that block.
+    kv = make_manager(num_gpu_blocks=14)
+    owner, waiting = cached_owner_and_waiting(kv)
+    pool = kv.block_pool
+    assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3, 4, 5]
+    assert pool.get_new_blocks(9) == [6, 7, 8, 9, 10, 11, 12, 13, 5]  # evicts block 5
+    fifth = owner.block_hashes[4]
+    pool.cache_full_blocks([fifth], [6], 0, 1)
+    pool.cache_full_blocks([fifth], [5], 0, 1)
+    assert pool.cached_blocks[fifth] == [6, 5]
+    assert kv.get_computed_blocks(waiting)[0] == [1, 2, 3, 4, 6]
+    assert fresh_lookup(kv, waiting) == [1, 2, 3, 4, 6]
 
 
 def test_a_lookup_of_another_request_in_between_drops_the_memo() -> None:
