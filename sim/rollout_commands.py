@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import (
@@ -218,8 +218,23 @@ def capacity(
     ] = None,
     export_format: ExportFormatOption = None,
     export_out: ExportOutOption = None,
+    replicas: Annotated[
+        bool,
+        typer.Option(
+            "--replicas",
+            help="Search the fewest fleet replicas that hold the scenario's own load instead.",
+        ),
+    ] = False,
+    router: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --replicas: a router kind to search for (repeatable; default the "
+            "scenario's router, or round_robin).",
+        ),
+    ] = None,
 ) -> None:
-    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
+    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs,
+    or with --replicas the fewest replicas (GPUs) that hold the load, per router."""
     from sim.capacity import default_knob, find_capacity, knob_for
     from sim.export import export
     from sim.runner import simulate
@@ -234,6 +249,18 @@ def capacity(
             raise KvsimConfigError(
                 f"{source}: no SLO to hold; give one, e.g. --slo ttft_p99_s=2 --slo itl_p99_s=0.1"
             )
+        if replicas or router:
+            if knob is not None or not replicas:
+                raise KvsimConfigError(
+                    "--router goes with --replicas, and --replicas searches the replica "
+                    "count, not a --knob: give one search"
+                )
+            _capacity_replicas(spec, router or [None], out)
+            if export_format is not None and export_out is not None:
+                check_export_options(export_format, export_out, spec)
+                for file in export(spec, export_format, export_out):
+                    console.print(f"wrote {file}", highlight=False)
+            return
         the_knob = knob_for(spec, knob) if knob is not None else default_knob(spec)
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
@@ -289,6 +316,58 @@ def capacity(
                 console.print(f"wrote {file}", highlight=False)
     except (KvsimConfigError, OSError) as exc:
         raise fail(f"the search finished, but its results could not be written: {exc}") from None
+
+
+def _capacity_replicas(spec: Any, routers: list[str | None], out: Path | None) -> None:
+    """``kvsim capacity --replicas``: the fewest replicas per router, printed (and written
+    to ``out``/capacity.json)."""
+    from sim.capacity import find_min_replicas
+    from sim.fleet.config import ROUTER_KINDS
+    from sim.runner import simulate
+
+    for kind in routers:
+        if kind is not None and kind not in ROUTER_KINDS:
+            raise KvsimConfigError(f"--router {kind!r}: expected one of {', '.join(ROUTER_KINDS)}")
+    if out is not None and out.exists():
+        raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
+    check_parent(out, "--out")
+    results = []
+    for kind in routers:
+        label = kind or (spec.fleet.router.kind if spec.fleet else "round_robin")
+
+        def progress(point: Any, label: str = label) -> None:
+            verdict = "holds" if point.holds else "fails: " + "; ".join(point.failed)
+            err_console.print(f"  {label}, {point.load:g} replicas: {verdict}", highlight=False)
+
+        err_console.print(f"searching the replica count of {spec.name} behind {label}...")
+        results.append(find_min_replicas(spec, lambda s: simulate(s).summary, kind, progress))
+    table = Table(title=f"{spec.name}: fewest replicas within the SLOs, per router")
+    for column in ("router", "fewest replicas", "there: TTFT p99 s", "ITL p99 s",
+                   "prefix hits", "simulations"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "router" else "right")
+    for result in results:
+        best = next((p for p in result.curve if p.load == result.fewest), None)
+        table.add_row(
+            result.router,
+            "none tried holds" if result.fewest is None else str(result.fewest),
+            "-" if best is None or best.ttft_p99_s is None else f"{best.ttft_p99_s:.3g}",
+            "-" if best is None or best.itl_p99_s is None else f"{best.itl_p99_s:.3g}",
+            "-" if best is None or best.prefix_cache_hit_rate is None
+            else f"{best.prefix_cache_hit_rate * 100:.1f}%",
+            str(len(result.curve)),
+        )  # fmt: skip
+    console.print(table)
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in spec.slos.model_dump(exclude_none=True).items())
+    console.print(f"SLOs: {bounds}, and every request finished", highlight=False)
+    if out is not None:
+        out.mkdir(parents=True)
+        document = {
+            "scenario": spec.name,
+            "slos": spec.slos.model_dump(),
+            "replica_search": [r.to_json() for r in results],
+        }
+        (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
+        console.print(f"written to {out / 'capacity.json'}", highlight=False)
 
 
 def tune_cmd(
