@@ -92,9 +92,20 @@ class PrefixAwareRouter(_PrefixIndexed):
     """The replica whose cached prefix of the prompt is longest, in the router's own view:
     the block hashes of the prompts it sent there, least recently routed forgotten first
     (the approximate prefix index of llm-d's / the Gateway API inference extension's
-    prefix-cache scorer). Ties go to the fewest requests in flight, then the lowest index."""
+    prefix-cache scorer). When the longest match covers less than ``min_match_fraction``
+    of the prompt, the request goes to the fewest requests in flight instead (SGLang's
+    cache-aware router, ``cache_threshold`` 0.5). Ties go to the fewest requests in
+    flight, then the lowest index."""
 
     kind: Literal["prefix_aware"] = "prefix_aware"
+    min_match_fraction: float = Field(
+        0.5,
+        ge=0,
+        le=1,
+        description="Below this share of the prompt matched anywhere, balance by load "
+        "instead. 0: always the longest match, which sends every new conversation to "
+        "whichever replica first saw a system prompt they all share.",
+    )
 
 
 class WeightedRouter(_PrefixIndexed):

@@ -12,7 +12,8 @@ never reads a replica's block pool: real routers cannot either.
 - ``session_affinity``: consistent hash of the session id with a bounded load
   (production-stack's ``session`` routing; Envoy's ring hash, HAProxy's hash-balance-factor).
 - ``prefix_aware``: longest prefix in the router's own index of what it sent where (the
-  prefix-cache scorer of llm-d / the Gateway API inference extension).
+  prefix-cache scorer of llm-d / the Gateway API inference extension), by load when no
+  replica holds enough of it (SGLang's cache-aware router).
 - ``weighted``: prefix, queue and KV-usage scores, weighted (llm-d's inference scheduler).
 
 Every choice is deterministic: ties go to the lowest replica index (real routers often
@@ -218,7 +219,13 @@ class _PrefixRouter(Router):
 
 
 class PrefixAware(_PrefixRouter):
+    def __init__(self, num_replicas: int, config: PrefixAwareRouter, num_gpu_blocks: int) -> None:
+        super().__init__(num_replicas, config, num_gpu_blocks)
+        self.min_match_fraction = config.min_match_fraction
+
     def pick(self, hashes: list[int], depth: list[int], views: Sequence[ReplicaView]) -> int:
+        if not hashes or max(depth) < self.min_match_fraction * len(hashes):
+            return min(views, key=lambda v: (v.in_flight, v.index)).index
         return min(views, key=lambda v: (-depth[v.index], v.in_flight, v.index)).index
 
 

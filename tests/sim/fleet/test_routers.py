@@ -132,6 +132,21 @@ def test_prefix_aware_takes_the_longest_prefix_then_the_fewest_in_flight() -> No
     assert router.choose(key(hashes=[98]), views([0, 0, 0])) == 0
 
 
+def test_a_short_match_goes_by_load_unless_the_threshold_is_zero() -> None:
+    # Replica 0 holds a system prompt of 2 blocks that every conversation starts with.
+    shared = PrefixAware(3, PrefixAwareRouter(), num_gpu_blocks=100)
+    shared.index.add(0, [1, 2])
+    # 2 of 5 blocks matched is under half: the least loaded replica takes it.
+    assert shared.choose(key(hashes=[1, 2, 3, 4, 5]), views([3, 2, 1])) == 2
+    # 2 of 4 is half: the match wins over load.
+    half = PrefixAware(3, PrefixAwareRouter(), num_gpu_blocks=100)
+    half.index.add(0, [1, 2])
+    assert half.choose(key(hashes=[1, 2, 6, 7]), views([5, 0, 0])) == 0
+    pure = PrefixAware(3, PrefixAwareRouter(min_match_fraction=0), num_gpu_blocks=100)
+    pure.index.add(0, [1, 2])
+    assert pure.choose(key(hashes=[1, 2, 3, 4, 5]), views([9, 0, 0])) == 0
+
+
 def test_prefix_aware_matches_only_the_first_max_prefix_blocks() -> None:
     router = PrefixAware(2, PrefixAwareRouter(max_prefix_blocks=2), num_gpu_blocks=100)
     router.index.add(1, [1, 2, 3])

@@ -47,6 +47,17 @@ def test_arrival_times_follow_timestamps_unit_and_scale(tmp_path):
     assert [s.request.arrival_time_s for s in sink.submissions] == [0.0, 1.0, 3.0]
 
 
+def test_until_s_replays_a_window_of_the_scaled_trace(tmp_path):
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS)
+    # Scaled arrivals at 0, 1 and 3 s: a window before 3 s keeps the first two.
+    workload = make_trace(path, timestamp_unit="ms", time_scale=2.0, until_s=3.0)
+    assert workload.expected_num_requests() == 2
+    sink = run_workload(workload)
+    assert [s.submit_s for s in sink.submissions] == [0.0, 1.0]
+    with pytest.raises(ValidationError, match="until_s"):
+        make_trace(path, until_s=0)
+
+
 def test_same_seed_same_stream(tmp_path):
     workload = make_trace(write_jsonl(tmp_path, MOONCAKE_ROWS))
     assert stream(run_workload(workload, seed=2)) == stream(run_workload(workload, seed=2))
