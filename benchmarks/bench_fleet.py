@@ -27,6 +27,11 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 DEFAULT = SCENARIO_DIR / "fleet" / "coding-agents-fleet-8b-h100.yaml"
 
 
+def num(value: float | None, spec: str) -> str:
+    """A figure, or '-' where the run has none (no request finished, caching off)."""
+    return "-" if value is None else format(value, spec)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("scenario", nargs="?", type=Path, default=DEFAULT)
@@ -42,7 +47,15 @@ def main() -> None:
     console = Console(width=160)
     table = None
     for kind in args.router or ROUTER_KINDS:
-        scenario = load_scenario(args.scenario, [*overrides, f"fleet.router={{kind: {kind}}}"])
+        scenario = load_scenario(args.scenario, overrides)
+        if scenario.fleet is None:
+            raise SystemExit(f"{args.scenario}: no fleet section (add --set fleet.replicas=N)")
+        # This router with its defaults, as stale as the scenario's router.
+        delay = scenario.fleet.router.view_delay_s
+        scenario = load_scenario(
+            args.scenario,
+            [*overrides, f"fleet.router={{kind: {kind}, view_delay_s: {delay!r}}}"],
+        )
         started = time.perf_counter()
         result = simulate(scenario)
         wall_s = time.perf_counter() - started
@@ -61,12 +74,12 @@ def main() -> None:
         table.add_row(
             kind,
             f"{s['num_finished']:,}",
-            f"{m[TTFT]['p50']:.3f}",
-            f"{m[TTFT]['p99']:.3f}",
-            f"{m[ITL]['p99']:.4f}",
-            f"{m['prefix_cache_hit_rate'] * 100:.1f}%",
+            num(m[TTFT]["p50"], ".3f"),
+            num(m[TTFT]["p99"], ".3f"),
+            num(m[ITL]["p99"], ".4f"),
+            num(m["prefix_cache_hit_rate"], ".1%"),
             f"{m[PREEMPTIONS]['total']:,}",
-            f"{imbalance['requests']:.2f} / {imbalance['busy_time']:.2f}",
+            f"{num(imbalance['requests'], '.2f')} / {num(imbalance['busy_time'], '.2f')}",
             "pass" if all(v["pass"] for v in verdicts) else "fail",
             f"{wall_s:.0f}",
         )

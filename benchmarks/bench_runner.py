@@ -122,6 +122,7 @@ def run_one(path: Path, overrides: list[str]) -> dict[str, Any]:
     s = result.summary
     return {
         "scenario": scenario.name,
+        "replicas": scenario.fleet.replicas if scenario.fleet else None,
         "requests": s["num_requests"],
         "finished": s["num_finished"],
         "steps": s["metrics"]["num_steps"],
@@ -153,7 +154,7 @@ def benchmark(runs: list[tuple[Path, list[str]]], console: Console) -> None:
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         r = json.loads(done.stdout.strip().splitlines()[-1])
         table.add_row(
-            r["scenario"],
+            r["scenario"] + (f" ({r['replicas']} replicas)" if r["replicas"] else ""),
             f"{r['requests']:,} ({r['finished']:,} finished)",
             f"{r['steps']:,}",
             f"{r['sim_s']:,.0f}",

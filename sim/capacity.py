@@ -31,6 +31,8 @@ from sim.workload.agent_sessions import AgentSessionsWorkload
 from sim.workload.distributions import BurstArrivals
 from sim.workload.open_loop import OpenLoopWorkload
 
+# The most replicas kvsim capacity --replicas tries unless told (--max-replicas).
+DEFAULT_MAX_REPLICAS = 64
 RATE_TOLERANCE = 0.02  # bisection on a rate stops when hi / lo - 1 is below this
 MAX_SIMULATIONS = 40
 
@@ -291,12 +293,15 @@ def find_min_replicas(
     simulate_summary: Callable[[Scenario], dict[str, Any]],
     router: str | None = None,
     on_point: Callable[[LoadPoint], None] | None = None,
-    max_replicas: int = MAX_REPLICAS,
+    max_replicas: int = DEFAULT_MAX_REPLICAS,
 ) -> ReplicaSearch:
     """The fewest ``fleet.replicas`` that hold the scenario's load within its SLOs, with
-    the router of kind ``router`` (default: the scenario's own router, or round robin).
+    the router of kind ``router`` (default: the scenario's own router, or round robin; a
+    router other than the scenario's gets its defaults and the scenario's
+    ``view_delay_s``).
 
-    Starts from the scenario's replica count (1 without a fleet section). A point holds as
+    Starts from the scenario's replica count (1 without a fleet section) and tries at most
+    ``max_replicas``, nor more replicas than the workload has requests. A point holds as
     in :func:`find_capacity`. The search assumes more replicas never hurt, which holds for
     the load-balancing routers; a router that piles traffic on one replica (pure prefix
     affinity on a shared system prompt) may hold at no count: the curve shows it.
@@ -304,7 +309,9 @@ def find_min_replicas(
     document = scenario.model_dump(mode="json")
     fleet = document.get("fleet") or {"replicas": 1, "router": {"kind": "round_robin"}}
     if router is not None and router != fleet["router"]["kind"]:
-        fleet["router"] = {"kind": router}
+        # Another router with its defaults, seeing replicas as stale as the scenario's.
+        delay = fleet["router"].get("view_delay_s", 0.0)
+        fleet["router"] = {"kind": router, "view_delay_s": delay}
     document["fleet"] = fleet
     kind = fleet["router"]["kind"]
     points: dict[int, LoadPoint] = {}
@@ -324,6 +331,7 @@ def find_min_replicas(
                 on_point(point)
         return points[replicas].holds
 
+    max_replicas = min(max_replicas, MAX_REPLICAS)
     start = min(max(int(fleet["replicas"]), 1), max_replicas)
     lo: int | None = None  # most replicas known to fail
     hi: int | None = None  # fewest known to hold
@@ -338,7 +346,8 @@ def find_min_replicas(
                 break
     else:
         lo = start
-        while hi is None and lo < max_replicas:
+        # More replicas than requests leaves some idle: past that, adding more cannot help.
+        while hi is None and lo < max_replicas and lo < points[lo].num_requests:
             nxt = min(lo * 2, max_replicas)
             if holds(nxt):
                 hi = nxt

@@ -45,7 +45,9 @@ def capacity_table(summary: dict[str, Any]) -> Table:
     kv = m[KV_USAGE]
     p = m[PREEMPTIONS]
     table = Table(show_header=True)
-    table.add_column("engine")
+    table.add_column(
+        "engine (a fleet: steps of all replicas pooled)" if summary.get("fleet") else "engine"
+    )
     table.add_column("value", justify="right")
     rows = [
         (

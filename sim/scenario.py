@@ -259,7 +259,12 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
     first_arrival_s: float | None = None
     what = ""
     if isinstance(workload, TraceWorkload):
-        records = workload.records()
+        records = workload.replayed()
+        if not records:
+            raise KvsimConfigError(
+                f"{where}: workload.until_s={workload.until_s:g} is before the first row of "
+                f"{workload.path} (x time_scale={workload.time_scale}): nothing to replay"
+            )
         first_arrival_s = min(r.timestamp_s for r in records) * workload.time_scale
         what = f"the trace's first timestamp ({workload.path}, x time_scale={workload.time_scale})"
         too_long = [

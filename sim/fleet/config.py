@@ -8,11 +8,11 @@ are described in :mod:`sim.fleet.routers`.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator, model_validator
 
-from sim.config.limits import MAX_NUM_GPU_BLOCKS, MAX_SECONDS, KvsimModel
+from sim.config.limits import MAX_NUM_GPU_BLOCKS, MAX_REQUESTS, MAX_SECONDS, KvsimModel
 
 # Replicas of one fleet (each a full engine with its own block pool in memory).
 MAX_REPLICAS = 1024
@@ -29,8 +29,9 @@ class _RouterBase(KvsimModel):
         le=MAX_SECONDS,
         description="How stale the router's view of replica metrics is: it sees each "
         "replica's KV usage and queue lengths as reported by the last step that ended more "
-        "than this many seconds ago (0: the last completed step). The router's own count of "
-        "requests in flight per replica is always current.",
+        "than this many seconds ago (0: the last step that ended before now). Only the "
+        "routers that read those metrics (least_loaded by kv_usage, weighted) are affected; "
+        "the router's own count of requests in flight per replica is always current.",
     )
 
 
@@ -55,7 +56,9 @@ class SessionAffinityRouter(_RouterBase):
     """Consistent hashing of the session id (a request without one hashes its request id),
     with bounded loads: a replica already holding ``load_factor`` times its fair share of
     the requests in flight is skipped for the next one on the ring (Mirrokni, Thorup and
-    Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018)."""
+    Zadimoghaddam, "Consistent Hashing with Bounded Loads", 2018). vLLM production-stack's
+    session router is the plain ring (``load_factor`` 1e6 never spills), though it sends a
+    request without a session id to the replica with the least traffic instead."""
 
     kind: Literal["session_affinity"] = "session_affinity"
     load_factor: float = Field(
@@ -89,30 +92,45 @@ class _PrefixIndexed(_RouterBase):
 
 
 class PrefixAwareRouter(_PrefixIndexed):
-    """The replica whose cached prefix of the prompt is longest, in the router's own view:
-    the block hashes of the prompts it sent there, least recently routed forgotten first
-    (the approximate prefix index of llm-d's / the Gateway API inference extension's
-    prefix-cache scorer). When the longest match covers less than ``min_match_fraction``
-    of the prompt, the request goes to the fewest requests in flight instead (SGLang's
-    cache-aware router, ``cache_threshold`` 0.5). Ties go to the fewest requests in
-    flight, then the lowest index."""
+    """SGLang's cache-aware router, on the router's own prefix index (the block hashes of
+    the prompts it sent to each replica, least recently routed forgotten first, like the
+    approximate index of llm-d's prefix-cache scorer). In this order: when the requests in
+    flight are imbalanced (max - min above ``balance_abs_threshold`` and max above
+    ``balance_rel_threshold`` times min), the fewest in flight; else, when some replica
+    holds more than ``cache_threshold`` of the prompt, the longest match; else the replica
+    whose index holds the fewest blocks (the most room). Ties go to the fewest in flight,
+    then the lowest index."""
 
     kind: Literal["prefix_aware"] = "prefix_aware"
-    min_match_fraction: float = Field(
+    cache_threshold: float = Field(
         0.5,
         ge=0,
         le=1,
-        description="Below this share of the prompt matched anywhere, balance by load "
-        "instead. 0: always the longest match, which sends every new conversation to "
-        "whichever replica first saw a system prompt they all share.",
+        description="The longest match wins only when it covers more than this share of "
+        "the prompt (SGLang's default 0.5); 0: any match wins.",
+    )
+    balance_abs_threshold: int = Field(
+        32,
+        ge=0,
+        le=MAX_REQUESTS,
+        description="Requests in flight max - min above which (with the relative one) load "
+        "wins over cache (SGLang's default 32).",
+    )
+    balance_rel_threshold: float = Field(
+        1.0001,
+        ge=1,
+        le=MAX_ROUTER_WEIGHT,
+        description="max / min of requests in flight above which (with the absolute one) "
+        "load wins over cache (SGLang's default 1.0001).",
     )
 
 
 class WeightedRouter(_PrefixIndexed):
     """llm-d's inference scheduler: a weighted sum of scorers, highest total wins (ties to
-    the lowest index). Prefix scorer: matched prefix blocks / prompt blocks (the same index
-    as ``prefix_aware``); queue scorer: (max - own) / (max - min) of the replicas' reported
-    waiting queues (1 when all are equal); KV-usage scorer: 1 - reported KV cache usage.
+    the fewest in flight, then the lowest index). Prefix scorer: matched prefix blocks /
+    prompt blocks (the same index as ``prefix_aware``); queue scorer: (max - own) / (max -
+    min) of the replicas' reported waiting queues (1 when all are equal); KV-usage scorer:
+    1 - reported KV cache usage.
     Default weights as in llm-d's examples (prefix 3, queue 2, KV usage 2)."""
 
     kind: Literal["weighted"] = "weighted"
@@ -121,6 +139,15 @@ class WeightedRouter(_PrefixIndexed):
     kv_usage_weight: float = Field(
         2.0, ge=0, le=MAX_ROUTER_WEIGHT, description="KV-cache-usage scorer."
     )
+
+    @model_validator(mode="after")
+    def _some_weight(self) -> WeightedRouter:
+        if not (self.prefix_weight or self.queue_weight or self.kv_usage_weight):
+            raise ValueError(
+                "prefix_weight, queue_weight and kv_usage_weight are all 0: every replica "
+                "would score alike; give at least one a weight"
+            )
+        return self
 
 
 RouterConfig = Annotated[
@@ -147,3 +174,10 @@ class FleetConfig(KvsimModel):
     router: RouterConfig = Field(
         default_factory=RoundRobinRouter, description="How requests are placed (kind: ...)."
     )
+
+    @field_validator("router", mode="before")
+    @classmethod
+    def _router_has_a_kind(cls, value: Any) -> Any:
+        if isinstance(value, dict) and "kind" not in value:
+            raise ValueError(f"a router needs a kind: one of {', '.join(ROUTER_KINDS)}")
+        return value

@@ -11,6 +11,7 @@ step-by-step reference show a router the same thing.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,11 +45,18 @@ class _Reported:
         self.cursor = 0  # steps ended before the last cut-off
 
     def last_before(self, cutoff_s: float) -> int:
-        """Index of the last step that ended before ``cutoff_s`` (-1 if none)."""
+        """Index of the last step that ended before ``cutoff_s`` (-1 if none).
+
+        A step's end is read back as ``start_s + duration_s``, which can be an ulp off the
+        time its step really ended; a step ending within two ulps of the cut-off counts as
+        not ended, so that a step ending at the very instant of an arrival is hidden from
+        the router whether or not the engine has recorded it yet (the fast path records a
+        stretch's steps ahead, the reference when each ends)."""
         steps = self.recorder.steps
         start, duration = steps["start_s"], steps["duration_s"]
+        before = cutoff_s - 2 * math.ulp(cutoff_s)
         n, i = len(start), self.cursor
-        while i < n and start[i] + duration[i] < cutoff_s:
+        while i < n and start[i] + duration[i] < before:
             i += 1
         self.cursor = i
         return i - 1

@@ -23,15 +23,22 @@ from sim.metrics import kv_usage_stats, latency_stats
 REPLICA = "replica"
 
 
+def _labelled(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
+    """The replicas' tables one after the other, each row with its replica's index."""
+    return pd.concat(
+        [
+            frame.assign(**{REPLICA: np.full(len(frame), index, dtype=np.int64)})
+            for index, frame in enumerate(frames)
+        ],
+        ignore_index=True,
+    )
+
+
 def fleet_requests(frames: Sequence[pd.DataFrame], assignments: Sequence[int]) -> pd.DataFrame:
     """Each replica's request table (its own submit order) merged in the fleet's submit
     order (``assignments[k]`` is the replica of the k-th request)."""
     order = np.asarray(assignments, dtype=np.int64)
-    labelled = [
-        frame.assign(**{REPLICA: np.full(len(frame), index, dtype=np.int64)})
-        for index, frame in enumerate(frames)
-    ]
-    merged = pd.concat(labelled, ignore_index=True)
+    merged = _labelled(frames)
     # Row r of ``merged`` is the request at position grouped[r] of the submit order.
     grouped = np.argsort(order, kind="stable")
     rows = np.empty_like(grouped)
@@ -41,12 +48,7 @@ def fleet_requests(frames: Sequence[pd.DataFrame], assignments: Sequence[int]) -
 
 def fleet_steps(frames: Sequence[pd.DataFrame]) -> pd.DataFrame:
     """Every replica's steps, by start time then replica."""
-    labelled = [
-        frame.assign(**{REPLICA: np.full(len(frame), index, dtype=np.int64)})
-        for index, frame in enumerate(frames)
-    ]
-    merged = pd.concat(labelled, ignore_index=True)
-    return merged.sort_values(["start_s", REPLICA], kind="stable").reset_index(drop=True)
+    return _labelled(frames).sort_values(["start_s", REPLICA], kind="stable").reset_index(drop=True)
 
 
 def _imbalance(values: Sequence[float]) -> float | None:
@@ -81,6 +83,9 @@ def fleet_section(
         )
     return {
         "what_if": "replicas behind a simulated router; each replica is the vLLM-exact engine",
+        "metrics_note": "request metrics are fleet-wide; step metrics (KV usage, running and "
+        "waiting requests, KV waste) pool every replica's steps, so they describe one replica "
+        "on average and at its worst; kv_cache is one replica's",
         "replicas": config.replicas,
         "router": config.router.model_dump(mode="json"),
         "load_imbalance": {

@@ -11,13 +11,15 @@ never reads a replica's block pool: real routers cannot either.
   balancing: Envoy, production-stack).
 - ``session_affinity``: consistent hash of the session id with a bounded load
   (production-stack's ``session`` routing; Envoy's ring hash, HAProxy's hash-balance-factor).
-- ``prefix_aware``: longest prefix in the router's own index of what it sent where (the
-  prefix-cache scorer of llm-d / the Gateway API inference extension), by load when no
-  replica holds enough of it (SGLang's cache-aware router).
+- ``prefix_aware``: SGLang's cache-aware router on the router's own index of what it sent
+  where (as llm-d's approximate prefix-cache scorer keeps it): load when the fleet is
+  imbalanced, else the longest match when it covers enough of the prompt, else the
+  replica with the most room in the index.
 - ``weighted``: prefix, queue and KV-usage scores, weighted (llm-d's inference scheduler).
 
-Every choice is deterministic: ties go to the lowest replica index (real routers often
-break them at random; a seeded choice would make results depend on the number of ties).
+Every choice is deterministic: ties go to the fewest requests in flight, then the lowest
+replica index (real routers often break them at random; a seeded choice would make results
+depend on the number of ties).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from sim.fleet.config import (
     LeastLoadedRouter,
@@ -88,15 +91,22 @@ class RoundRobin(Router):
         return index
 
 
+def fewest_in_flight(views: Sequence[ReplicaView]) -> int:
+    """The replica with the fewest requests in flight (ties: the lowest index)."""
+    return min(views, key=lambda v: (v.in_flight, v.index)).index
+
+
 class LeastLoaded(Router):
-    def __init__(self, num_replicas: int, metric: str) -> None:
+    def __init__(self, num_replicas: int, metric: Literal["in_flight", "kv_usage"]) -> None:
         super().__init__(num_replicas)
         self.metric = metric
 
     def choose(self, key: RoutingKey, views: Sequence[ReplicaView]) -> int:
         if self.metric == "kv_usage":
-            return min(views, key=lambda v: (v.kv_usage, v.index)).index
-        return min(views, key=lambda v: (v.in_flight, v.index)).index
+            # Reported usage changes only when a step ends: between two reports every
+            # arrival sees the same figures, so ties go to the fewest in flight.
+            return min(views, key=lambda v: (v.kv_usage, v.in_flight, v.index)).index
+        return fewest_in_flight(views)
 
 
 def stable_hash(text: str) -> int:
@@ -138,7 +148,7 @@ class SessionAffinity(Router):
                 break
         # Unreachable with load_factor >= 1 (the least loaded replica is always under the
         # cap); kept as a safe answer.
-        return min(views, key=lambda v: (v.in_flight, v.index)).index
+        return fewest_in_flight(views)
 
 
 class PrefixIndex:
@@ -174,12 +184,16 @@ class PrefixIndex:
         return depth
 
     def add(self, replica: int, hashes: Sequence[int]) -> None:
-        """Remember that ``hashes`` were sent to ``replica`` (now the most recent)."""
+        """Remember that ``hashes`` (a prompt's blocks, first block first) were sent to
+        ``replica``. They are touched last block first, so the first block is the most
+        recent and the index forgets a prompt from its tail, as vLLM evicts (a chain
+        without its head can never match again). A prompt longer than the capacity keeps
+        its first ``capacity`` blocks."""
         lru = self.lru[replica]
         bit = 1 << replica
         owners = self.owners
         move = lru.move_to_end
-        for block_hash in hashes:
+        for block_hash in reversed(hashes[: self.capacity]):
             if block_hash in lru:
                 move(block_hash)
             else:
@@ -192,6 +206,10 @@ class PrefixIndex:
                 owners[gone] = left
             else:
                 del owners[gone]
+
+    def size(self, replica: int) -> int:
+        """Blocks the index holds for ``replica``."""
+        return len(self.lru[replica])
 
 
 class _PrefixRouter(Router):
@@ -219,14 +237,23 @@ class _PrefixRouter(Router):
 
 
 class PrefixAware(_PrefixRouter):
+    """SGLang's cache-aware policy (see :class:`PrefixAwareRouter`)."""
+
     def __init__(self, num_replicas: int, config: PrefixAwareRouter, num_gpu_blocks: int) -> None:
         super().__init__(num_replicas, config, num_gpu_blocks)
-        self.min_match_fraction = config.min_match_fraction
+        self.cache_threshold = config.cache_threshold
+        self.balance_abs = config.balance_abs_threshold
+        self.balance_rel = config.balance_rel_threshold
 
     def pick(self, hashes: list[int], depth: list[int], views: Sequence[ReplicaView]) -> int:
-        if not hashes or max(depth) < self.min_match_fraction * len(hashes):
-            return min(views, key=lambda v: (v.in_flight, v.index)).index
-        return min(views, key=lambda v: (-depth[v.index], v.in_flight, v.index)).index
+        loads = [v.in_flight for v in views]
+        low, high = min(loads), max(loads)
+        if high - low > self.balance_abs and high > low * self.balance_rel:
+            return fewest_in_flight(views)
+        if hashes and max(depth) > self.cache_threshold * len(hashes):
+            return min(views, key=lambda v: (-depth[v.index], v.in_flight, v.index)).index
+        size = self.index.size
+        return min(views, key=lambda v: (size(v.index), v.in_flight, v.index)).index
 
 
 class Weighted(_PrefixRouter):
@@ -251,8 +278,9 @@ class Weighted(_PrefixRouter):
 
     def pick(self, hashes: list[int], depth: list[int], views: Sequence[ReplicaView]) -> int:
         scores = self.scores(hashes, depth, views)
-        best = max(scores)
-        return scores.index(best)
+        # Highest score; ties (common: reported metrics change only when a step ends) to
+        # the fewest in flight, then the lowest index.
+        return min(views, key=lambda v: (-scores[v.index], v.in_flight, v.index)).index
 
 
 def build_router(config: RouterConfig, num_replicas: int, num_gpu_blocks: int) -> Router:
@@ -282,4 +310,5 @@ __all__ = [
     "SessionAffinity",
     "Weighted",
     "build_router",
+    "fewest_in_flight",
 ]

@@ -239,3 +239,39 @@ def test_capacity_replicas_refuses_an_unknown_router_and_a_knob_with_it() -> Non
     )
     assert result.exit_code == 2
     assert "give one search" in result.output
+    result = runner.invoke(app, ["capacity", str(BURST), "--router", "round_robin"])
+    assert result.exit_code == 2
+    assert "--router and --max-replicas go with --replicas" in result.output
+
+
+def test_capacity_replicas_checks_the_export_before_searching(tmp_path: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["capacity", str(BURST), "--replicas", "--export-format", "bogus",
+         "--export-out", str(tmp_path / "x")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "searching" not in result.output
+    assert "bogus" in result.output
+
+
+def test_the_replica_search_stops_at_the_request_count_and_keeps_the_view_delay() -> None:
+    from sim.capacity import find_min_replicas
+
+    spec = load_scenario(
+        BURST, ["fleet.replicas=2", "fleet.router.kind=weighted", "fleet.router.view_delay_s=0.5"]
+    )
+    delays: list[float] = []
+
+    def never(spec: Scenario) -> dict[str, Any]:
+        assert spec.fleet is not None
+        delays.append(spec.fleet.router.view_delay_s)
+        return fake_summary(5.0, requests=6, finished=6)  # 6 requests; never within the SLO
+
+    result = find_min_replicas(spec, never, "round_robin")
+    # 2 and 4 replicas fail; 8 is beyond the 6 requests: no use going further.
+    assert (result.fewest, result.most_failing) == (None, 8)
+    assert [p.load for p in result.curve] == [2, 4, 8]
+    assert set(delays) == {0.5}
+    capped = find_min_replicas(spec, never, "round_robin", max_replicas=3)
+    assert [p.load for p in capped.curve] == [2, 3]

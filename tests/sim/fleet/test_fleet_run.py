@@ -169,6 +169,27 @@ def test_a_bad_fleet_section_is_refused_naming_the_field(
     with pytest.raises(KvsimConfigError) as error:
         parse_scenario(raw, "bad.yaml")
     message = str(error.value)
-    assert "\n" not in message.strip() or len(message.splitlines()) < 6
+    assert "\n" not in message and message.startswith("bad.yaml: fleet")
     for name in names:
         assert name in message
+
+
+def test_merged_requests_follow_the_fleet_submit_order() -> None:
+    import pandas as pd
+
+    from sim.fleet.outputs import fleet_requests, fleet_steps
+
+    # Submit order: a->1, b->0, c->1, d->2, e->0; each replica lists its own in order.
+    frames = [
+        pd.DataFrame({"request_id": ["b", "e"]}),
+        pd.DataFrame({"request_id": ["a", "c"]}),
+        pd.DataFrame({"request_id": ["d"]}),
+    ]
+    merged = fleet_requests(frames, [1, 0, 1, 2, 0])
+    assert merged["request_id"].tolist() == ["a", "b", "c", "d", "e"]
+    assert merged["replica"].tolist() == [1, 0, 1, 2, 0]
+    steps = fleet_steps(
+        [pd.DataFrame({"start_s": [0.0, 2.0]}), pd.DataFrame({"start_s": [1.0, 2.0]})]
+    )
+    assert steps["start_s"].tolist() == [0.0, 1.0, 2.0, 2.0]
+    assert steps["replica"].tolist() == [0, 1, 0, 1]

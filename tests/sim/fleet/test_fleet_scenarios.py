@@ -1,9 +1,10 @@
-"""The shipped fleet scenarios (scenarios/fleet/): golden summaries of scaled-down copies in
-the fast lane, the full coding-agent fleet in the slow lane, and the Mooncake fleet on the
-first 300 rows of the real trace (committed under tests/sim/fleet/data/).
+"""The shipped fleet scenarios (scenarios/fleet/): golden summaries of a scaled-down copy of
+the coding-agent fleet and of the Mooncake fleet on the first 300 rows of the real trace
+(committed under tests/sim/fleet/data/). The full-size fleets take minutes each and are
+left to benchmarks/bench_fleet.py.
 
 Regenerate the goldens deliberately with
-``KVSIM_UPDATE_GOLDEN=1 pytest --full tests/sim/fleet/test_fleet_scenarios.py``.
+``KVSIM_UPDATE_GOLDEN=1 pytest tests/sim/fleet/test_fleet_scenarios.py``.
 """
 
 from __future__ import annotations
@@ -53,9 +54,9 @@ def test_every_fleet_scenario_opens_with_its_question_and_has_a_fleet() -> None:
         assert load_scenario(path).fleet is not None, path
 
 
-@pytest.mark.parametrize("case", SIZES)
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_fleet_summary_matches_golden(case: str) -> None:
-    name, overrides = CASES.get(case, (case, ()))
+    name, overrides = CASES[case]
     result = simulate(load_scenario(FLEET_DIR / f"{name}.yaml", list(overrides)))
     summary = rounded(result.summary)
     golden = GOLDEN_DIR / f"{case}.json"

@@ -49,6 +49,8 @@ def test_least_loaded_takes_the_fewest_in_flight_ties_to_the_lowest_index() -> N
 def test_least_loaded_by_kv_usage_reads_the_reported_usage() -> None:
     router = LeastLoaded(3, "kv_usage")
     assert router.choose(key(), views([0, 9, 9], usage=[0.5, 0.2, 0.3])) == 1
+    # Equal reports (between two step ends): the fewest in flight, then the lowest index.
+    assert router.choose(key(), views([2, 1, 1], usage=[0.4, 0.4, 0.4])) == 1
     assert router.choose(key(), views([0, 0, 0], usage=[0.4, 0.4, 0.4])) == 0
 
 
@@ -108,16 +110,26 @@ def test_prefix_index_matches_consecutive_blocks_per_replica() -> None:
     assert index.matches([]) == [0, 0, 0]
 
 
-def test_prefix_index_forgets_the_least_recently_routed_blocks_first() -> None:
+def test_prefix_index_forgets_the_least_recently_routed_blocks_first_tails_first() -> None:
+    index = PrefixIndex(2, capacity=4)
+    index.add(0, [1, 2, 3])  # touched 3, 2, 1: the head is the most recent
+    assert list(index.lru[0]) == [3, 2, 1]
+    index.add(0, [1, 5])  # 5, then 1 again
+    assert list(index.lru[0]) == [3, 2, 5, 1]
+    index.add(0, [7])  # over capacity: the oldest, 3 (a tail), goes
+    assert list(index.lru[0]) == [2, 5, 1, 7]
+    assert index.matches([1, 2, 3]) == [2, 0]
+    assert 3 not in index.owners
+    index.add(1, [2])
+    assert index.owners[2] == 0b11
+    assert (index.size(0), index.size(1)) == (4, 1)
+
+
+def test_a_prompt_longer_than_the_index_keeps_its_head() -> None:
     index = PrefixIndex(2, capacity=3)
-    index.add(0, [1, 2, 3])
-    index.add(0, [1])  # 1 is recent again; 2 is now the oldest
-    index.add(0, [7])
-    assert list(index.lru[0]) == [3, 1, 7]
-    assert index.matches([1, 2]) == [1, 0]
-    assert 2 not in index.owners
-    index.add(1, [3])
-    assert index.owners[3] == 0b11
+    index.add(0, [1, 2, 3, 4, 5])
+    assert list(index.lru[0]) == [3, 2, 1]
+    assert index.matches([1, 2, 3, 4, 5]) == [3, 0]
 
 
 def test_prefix_aware_takes_the_longest_prefix_then_the_fewest_in_flight() -> None:
@@ -127,24 +139,42 @@ def test_prefix_aware_takes_the_longest_prefix_then_the_fewest_in_flight() -> No
     assert router.choose(key(hashes=[10, 11, 12, 13]), views([0, 5, 0])) == 1
     # The chosen replica now holds all four.
     assert router.index.matches([10, 11, 12, 13]) == [0, 4, 2]
-    # A tie on the prefix goes to the fewest in flight, then the lowest index.
-    assert router.choose(key(hashes=[99]), views([2, 1, 1])) == 1
-    assert router.choose(key(hashes=[98]), views([0, 0, 0])) == 0
+    # Equal longest matches go to the fewest in flight, then the lowest index.
+    router.index.add(0, [10, 11, 12, 13])
+    assert router.choose(key(hashes=[10, 11, 12, 13, 14]), views([3, 2, 0])) == 1
+    assert router.choose(key(hashes=[10, 11, 12, 13, 15]), views([2, 2, 0])) == 0
 
 
-def test_a_short_match_goes_by_load_unless_the_threshold_is_zero() -> None:
+def test_a_match_at_or_below_the_cache_threshold_goes_to_the_most_room() -> None:
     # Replica 0 holds a system prompt of 2 blocks that every conversation starts with.
-    shared = PrefixAware(3, PrefixAwareRouter(), num_gpu_blocks=100)
-    shared.index.add(0, [1, 2])
-    # 2 of 5 blocks matched is under half: the least loaded replica takes it.
-    assert shared.choose(key(hashes=[1, 2, 3, 4, 5]), views([3, 2, 1])) == 2
-    # 2 of 4 is half: the match wins over load.
-    half = PrefixAware(3, PrefixAwareRouter(), num_gpu_blocks=100)
-    half.index.add(0, [1, 2])
-    assert half.choose(key(hashes=[1, 2, 6, 7]), views([5, 0, 0])) == 0
-    pure = PrefixAware(3, PrefixAwareRouter(min_match_fraction=0), num_gpu_blocks=100)
+    router = PrefixAware(3, PrefixAwareRouter(), num_gpu_blocks=100)
+    router.index.add(0, [1, 2])
+    router.index.add(1, [8])
+    # 2 of 4 blocks is not more than half: the smallest index (replica 2, empty) takes it.
+    assert router.choose(key(hashes=[1, 2, 6, 7]), views([0, 0, 5])) == 2
+    # 2 of 3 is more than half: the match wins over load.
+    router = PrefixAware(3, PrefixAwareRouter(), num_gpu_blocks=100)
+    router.index.add(0, [1, 2])
+    assert router.choose(key(hashes=[1, 2, 6]), views([5, 0, 0])) == 0
+    # cache_threshold 0: any match wins.
+    pure = PrefixAware(3, PrefixAwareRouter(cache_threshold=0), num_gpu_blocks=100)
     pure.index.add(0, [1, 2])
     assert pure.choose(key(hashes=[1, 2, 3, 4, 5]), views([9, 0, 0])) == 0
+
+
+def test_an_imbalanced_fleet_goes_by_load_before_cache() -> None:
+    def route(in_flight: list[int]) -> int:
+        config = PrefixAwareRouter(balance_abs_threshold=4, balance_rel_threshold=1.5)
+        router = PrefixAware(3, config, num_gpu_blocks=100)
+        router.index.add(0, [1, 2, 3])
+        return router.choose(key(hashes=[1, 2, 3, 4]), views(in_flight))
+
+    # max - min = 5 > 4 and 6 > 1 * 1.5: the fewest in flight, whatever the cache says.
+    assert route([6, 1, 2]) == 1
+    # max - min = 4 is not above 4: the cache decides.
+    assert route([5, 1, 2]) == 0
+    # Above the absolute threshold but not the relative one (14 <= 10 * 1.5): cache.
+    assert route([14, 10, 10]) == 0
 
 
 def test_prefix_aware_matches_only_the_first_max_prefix_blocks() -> None:
@@ -153,7 +183,7 @@ def test_prefix_aware_matches_only_the_first_max_prefix_blocks() -> None:
     router.index.add(0, [1, 2])
     # Both match the 2 blocks looked at: the tie goes to replica 0.
     assert router.choose(key(hashes=[1, 2, 3]), views([0, 0])) == 0
-    assert list(router.index.lru[0]) == [1, 2]
+    assert list(router.index.lru[0]) == [2, 1]
 
 
 def test_weighted_scores_prefix_queue_and_kv_usage_as_llm_d() -> None:
@@ -165,10 +195,18 @@ def test_weighted_scores_prefix_queue_and_kv_usage_as_llm_d() -> None:
     expected = [3 * 0.5 + 2 * 0.0 + 2 * 0.5, 0 + 2 * 1.0 + 2 * 0.1, 0 + 2 * 0.5 + 2 * 1.0]
     assert scores == pytest.approx(expected)
     assert router.choose(key(hashes=[1, 2, 3, 4]), state) == 2
-    # Equal queues score 1 each; a full tie goes to the lowest index.
+    # Equal queues score 1 each; a tie goes to the fewest in flight, then the lowest index.
     even = Weighted(2, WeightedRouter(), num_gpu_blocks=100)
     assert even.scores([5], [0, 0], views([0, 0], waiting=[3, 3])) == [4.0, 4.0]
-    assert even.choose(key(hashes=[5]), views([0, 0], waiting=[3, 3])) == 0
+    assert even.choose(key(hashes=[5]), views([1, 0], waiting=[3, 3])) == 1
+    assert even.choose(key(hashes=[6]), views([0, 0], waiting=[3, 3])) == 0
+
+
+def test_weighted_refuses_all_zero_weights() -> None:
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="all 0"):
+        WeightedRouter(prefix_weight=0, queue_weight=0, kv_usage_weight=0)
 
 
 def test_stable_hash_does_not_depend_on_the_process() -> None:
