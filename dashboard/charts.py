@@ -101,7 +101,8 @@ def fleet_timeline_figure(
     timelines: dict[str, pd.DataFrame], preemptions: dict[str, pd.DataFrame] | None = None
 ) -> go.Figure:
     """``timeline_figure`` with one line per replica: KV usage (%) above running (solid) and
-    waiting (dotted) requests; a replica keeps one colour and one legend entry.
+    waiting (dotted) requests; a replica keeps one colour and one legend entry. Each value
+    holds until the replica's next step (an idle replica's line stays flat, not a ramp).
 
     ``timelines`` maps a replica's label to its own (downsampled) steps; ``preemptions`` to
     its steps with ``num_preemptions > 0``.
@@ -114,7 +115,7 @@ def fleet_timeline_figure(
             x=steps["start_s"],
             y=steps["kv_cache_usage_perc"] * 100,
             name=label,
-            line={"color": color, "width": 1},
+            line={"color": color, "width": 1, "shape": "hv"},
             row=1,
             col=1,
             **common,
@@ -140,7 +141,7 @@ def fleet_timeline_figure(
                 y=steps[column],
                 name=f"{label}: {column.rsplit('_', 1)[-1]}",
                 showlegend=False,
-                line={"color": color, "width": 1, "dash": dash},
+                line={"color": color, "width": 1, "dash": dash, "shape": "hv"},
                 row=2,
                 col=1,
                 **common,
@@ -205,9 +206,14 @@ def cdf_figure(cdfs: pd.DataFrame, metric: str, group: str = "priority_class") -
 
 
 def overlay_timeline_figure(
-    timelines: dict[str, pd.DataFrame], column: str, y_title: str, scale: float = 1.0
+    timelines: dict[str, pd.DataFrame],
+    column: str,
+    y_title: str,
+    scale: float = 1.0,
+    shape: str = "linear",
 ) -> go.Figure:
-    """One line per run of ``column`` over time (already downsampled frames)."""
+    """One line per run (or replica) of ``column`` over time (already downsampled frames);
+    ``shape="hv"`` holds each value until the next step."""
     fig = go.Figure()
     for i, (label, frame) in enumerate(timelines.items()):
         fig.add_scatter(
@@ -215,7 +221,7 @@ def overlay_timeline_figure(
             y=frame[column] * scale,
             name=label,
             mode="lines",
-            line={"color": PALETTE[i % len(PALETTE)], "width": 1},
+            line={"color": PALETTE[i % len(PALETTE)], "width": 1, "shape": shape},
         )
     fig.update_xaxes(title_text=TIME_AXIS)
     fig.update_yaxes(title_text=y_title, rangemode="tozero")

@@ -159,9 +159,11 @@ def build_view(path: Path, max_points: int = MAX_TIMELINE_POINTS) -> RunView:
         return view
     replicas = num_replicas(requests, steps, summary.get("fleet"))
     points = replica_points(replicas, max_points)
+    order = np.argsort(requests[REPLICA].to_numpy(), kind="stable")  # rows by replica
+    bounds = np.searchsorted(requests[REPLICA].to_numpy()[order], np.arange(replicas + 1))
     cdfs = []
     for r in range(replicas):
-        rows = np.flatnonzero(requests[REPLICA].to_numpy() == r)
+        rows = order[bounds[r] : bounds[r + 1]]
         own = None if token_times is None else take_token_times(*token_times, rows)
         cdfs.append(latency_cdfs(requests.iloc[rows], own))
     return replace(

@@ -66,7 +66,7 @@ def _fleet(view: RunView) -> None:
             st.plotly_chart(charts.replica_bars_figure(table), key="ex-fleet-bars")
     timelines = {replica_label(r): t.frame for r, t in enumerate(view.replica_timelines)}
     fig = charts.overlay_timeline_figure(
-        timelines, "kv_cache_usage_perc", "KV cache usage (%)", scale=100
+        timelines, "kv_cache_usage_perc", "KV cache usage (%)", scale=100, shape="hv"
     )
     st.plotly_chart(fig, key="ex-fleet-kv")
     st.caption("KV cache usage of each replica over time" + _points_note(view) + ".")

@@ -61,6 +61,7 @@ def test_overlay_timeline_figure() -> None:
     )
     assert [t.name for t in fig.data] == ["a", "b"]
     assert fig.data[0].y[-1] == 100
+    assert fig.data[0].line.shape == "linear"
     assert _axis_titles(fig) == {"KV cache usage (%)", "time (s)"}
 
 
@@ -131,6 +132,7 @@ def test_fleet_timeline_figure_one_colour_and_legend_entry_per_replica() -> None
     colors = [t.line.color if t.mode == "lines" else t.marker.color for t in fig.data]
     assert colors == [charts.PALETTE[0]] * 3 + [charts.PALETTE[1]] * 4
     assert list(fig.data[3].y) == [50.0, 25.0, 0.0]  # percent
+    assert {t.line.shape for t in fig.data if t.mode == "lines"} == {"hv"}  # held per step
     assert list(fig.data[4].customdata) == [3]
     assert [t.line.dash for t in fig.data if t.name.endswith(("running", "waiting"))] == [
         "solid",
