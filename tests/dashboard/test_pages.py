@@ -390,6 +390,18 @@ def test_what_if_runs_an_uploaded_scenario_with_a_model_config(runs_env: Path) -
     assert "Result" in _texts(at.subheader)
 
 
+def test_what_if_runs_an_uploaded_fleet_scenario(runs_env: Path) -> None:
+    text = _scenario("Llama-3.1-8B", OPEN_LOOP) + "fleet: {replicas: 2}\n"
+    at = _upload_and_run(_app(), text)
+    assert not at.exception, at.exception
+    assert not at.error, _texts(at.error)
+    assert "Result" in _texts(at.subheader)
+    assert (
+        "a fleet of 2 replicas: KV usage is their mean and requests their sum (save the run "
+        "and open it in the Run explorer for each replica's figures)." in _texts(at.caption)
+    )
+
+
 @pytest.mark.parametrize(
     "content",
     [
