@@ -5,6 +5,7 @@ reference, side by side in one process so machine noise hits both alike.
     python benchmarks/bench_runner.py scenarios/agent-burst.yaml --repeat 3
     python benchmarks/bench_runner.py --large               # + the 100k-request benchmark
     python benchmarks/bench_runner.py --mooncake PATH       # + the Mooncake trace benchmark
+    python benchmarks/bench_runner.py --fleet               # + the 100k requests on 16 replicas
     python benchmarks/bench_runner.py --against ff8e847     # this tree vs an earlier commit
 
 For each shipped scenario (``scenarios/*.yaml``) it runs the step-by-step path
@@ -14,7 +15,8 @@ repeats each, checks that both wrote the same ``summary.json``, ``steps.parquet`
 the steadier figure on a shared machine), the speed-ups and simulated seconds per wall
 second. The benchmark scenarios under ``scenarios/benchmarks/`` (too large for the
 reference) run the fast path once each, in a fresh process, reporting wall and CPU time,
-simulated seconds per wall second and the peak resident memory of that process. The Mooncake trace's
+simulated seconds per wall second and the peak resident memory of that process (``--fleet``:
+the 100k-request scenario on a fleet of 16 replicas behind session affinity). The Mooncake trace's
 path is given here, at run time (``--set workload.path=...``): kvsim does not ship it.
 ``--against REF`` runs each scenario's default path in fresh processes, alternately in this
 tree and in a temporary git worktree of commit REF (best of ``--repeat`` each), and reports
@@ -49,6 +51,7 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 BENCHMARK_DIR = SCENARIO_DIR / "benchmarks"
 LARGE = BENCHMARK_DIR / "agents-100k-8b-h100.yaml"
 MOONCAKE = BENCHMARK_DIR / "mooncake-conversation-8b-h200.yaml"
+FLEET_REPLICAS = 16
 
 
 def output_bytes(result: SimulationResult) -> list[bytes]:
@@ -119,6 +122,7 @@ def run_one(path: Path, overrides: list[str]) -> dict[str, Any]:
     s = result.summary
     return {
         "scenario": scenario.name,
+        "replicas": scenario.fleet.replicas if scenario.fleet else None,
         "requests": s["num_requests"],
         "finished": s["num_finished"],
         "steps": s["metrics"]["num_steps"],
@@ -150,7 +154,7 @@ def benchmark(runs: list[tuple[Path, list[str]]], console: Console) -> None:
         done = subprocess.run(command, capture_output=True, text=True, check=True)
         r = json.loads(done.stdout.strip().splitlines()[-1])
         table.add_row(
-            r["scenario"],
+            r["scenario"] + (f" ({r['replicas']} replicas)" if r["replicas"] else ""),
             f"{r['requests']:,} ({r['finished']:,} finished)",
             f"{r['steps']:,}",
             f"{r['sim_s']:,.0f}",
@@ -258,6 +262,11 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--large", action="store_true", help=f"also run {LARGE.name}")
     parser.add_argument("--mooncake", type=Path, help=f"run {MOONCAKE.name} on this trace")
+    parser.add_argument(
+        "--fleet",
+        action="store_true",
+        help=f"also run {LARGE.name} on a fleet of {FLEET_REPLICAS} replicas (session affinity)",
+    )
     parser.add_argument("--against", metavar="REF", help="compare with this git commit")
     parser.add_argument("--one", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--set", action="append", default=[], help=argparse.SUPPRESS)
@@ -269,14 +278,20 @@ def main() -> None:
     console.print(f"machine: {machine()}")
     paths = args.scenarios or sorted(SCENARIO_DIR.glob("*.yaml"))
     if args.against:
-        if args.large or args.mooncake:
-            parser.error("--against compares shipped scenarios only (no --large, --mooncake)")
+        if args.large or args.mooncake or args.fleet:
+            parser.error(
+                "--against compares shipped scenarios only (no --large, --mooncake, --fleet)"
+            )
         against(paths, args.against, args.repeat, console)
         return
     compare(paths, args.repeat, console)
     runs: list[tuple[Path, list[str]]] = []
     if args.large:
         runs.append((LARGE, []))
+    if args.fleet:
+        runs.append(
+            (LARGE, [f"fleet.replicas={FLEET_REPLICAS}", "fleet.router.kind=session_affinity"])
+        )
     if args.mooncake is not None:
         runs.append((MOONCAKE, [f"workload.path={args.mooncake.resolve()}"]))
     if runs:

@@ -97,6 +97,86 @@ def timeline_figure(
     return _layout(fig, 420, title)
 
 
+def fleet_timeline_figure(
+    timelines: dict[str, pd.DataFrame], preemptions: dict[str, pd.DataFrame] | None = None
+) -> go.Figure:
+    """``timeline_figure`` with one line per replica: KV usage (%) above running (solid) and
+    waiting (dotted) requests; a replica keeps one colour and one legend entry. Each value
+    holds until the replica's next step (an idle replica's line stays flat, not a ramp).
+
+    ``timelines`` maps a replica's label to its own (downsampled) steps; ``preemptions`` to
+    its steps with ``num_preemptions > 0``.
+    """
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.06)
+    for i, (label, steps) in enumerate(timelines.items()):
+        color = PALETTE[i % len(PALETTE)]
+        common = {"legendgroup": label, "mode": "lines"}
+        fig.add_scatter(
+            x=steps["start_s"],
+            y=steps["kv_cache_usage_perc"] * 100,
+            name=label,
+            line={"color": color, "width": 1, "shape": "hv"},
+            row=1,
+            col=1,
+            **common,
+        )
+        events = (preemptions or {}).get(label)
+        if events is not None and len(events):
+            fig.add_scatter(
+                x=events["start_s"],
+                y=events["kv_cache_usage_perc"] * 100,
+                mode="markers",
+                name=f"{label}: preemption",
+                legendgroup=label,
+                showlegend=False,
+                marker={"color": color, "symbol": "x", "size": 7},
+                customdata=events["num_preemptions"],
+                hovertemplate="%{customdata} preempted<extra>" + label + "</extra>",
+                row=1,
+                col=1,
+            )
+        for column, dash in (("num_requests_running", "solid"), ("num_requests_waiting", "dot")):
+            fig.add_scatter(
+                x=steps["start_s"],
+                y=steps[column],
+                name=f"{label}: {column.rsplit('_', 1)[-1]}",
+                showlegend=False,
+                line={"color": color, "width": 1, "dash": dash, "shape": "hv"},
+                row=2,
+                col=1,
+                **common,
+            )
+    fig.update_yaxes(title_text="KV cache usage (%)", range=[0, 105], row=1, col=1)
+    fig.update_yaxes(title_text="requests", rangemode="tozero", row=2, col=1)
+    fig.update_xaxes(title_text=TIME_AXIS, row=2, col=1)
+    return _layout(fig, 420)
+
+
+def replica_bars_figure(per_replica: pd.DataFrame) -> go.Figure:
+    """Bars per replica (``tables.fleet_frame``): requests, busy time and prefix hit rate."""
+    panels = ("requests", "busy (%)", "prefix hit rate (%)")
+    fig = make_subplots(rows=1, cols=3, subplot_titles=panels)
+    x = [f"r{r}" for r in per_replica["replica"]]
+    for col, column in enumerate(panels, start=1):
+        fig.add_bar(
+            x=x,
+            y=per_replica[column],
+            name=column,
+            showlegend=False,
+            marker={"color": PALETTE[col - 1]},
+            hovertemplate="%{x}: %{y:,.1f}<extra>" + column + "</extra>",
+            row=1,
+            col=col,
+        )
+        fig.update_xaxes(title_text="replica", row=1, col=col)
+    fig.update_yaxes(title_text="requests", rangemode="tozero", row=1, col=1)
+    fig.update_yaxes(title_text="busy time (%)", range=[0, 105], row=1, col=2)
+    fig.update_yaxes(title_text="prefix-cache hit rate (%)", range=[0, 105], row=1, col=3)
+    fig = _layout(fig, 320)
+    fig.update_layout(hovermode="closest")
+    return fig
+
+
 def cdf_figure(cdfs: pd.DataFrame, metric: str, group: str = "priority_class") -> go.Figure:
     """Overlaid CDF curves of one metric (``ttft`` / ``itl`` / ``e2e``), one per ``group``.
 
@@ -126,9 +206,14 @@ def cdf_figure(cdfs: pd.DataFrame, metric: str, group: str = "priority_class") -
 
 
 def overlay_timeline_figure(
-    timelines: dict[str, pd.DataFrame], column: str, y_title: str, scale: float = 1.0
+    timelines: dict[str, pd.DataFrame],
+    column: str,
+    y_title: str,
+    scale: float = 1.0,
+    shape: str = "linear",
 ) -> go.Figure:
-    """One line per run of ``column`` over time (already downsampled frames)."""
+    """One line per run (or replica) of ``column`` over time (already downsampled frames);
+    ``shape="hv"`` holds each value until the next step."""
     fig = go.Figure()
     for i, (label, frame) in enumerate(timelines.items()):
         fig.add_scatter(
@@ -136,7 +221,7 @@ def overlay_timeline_figure(
             y=frame[column] * scale,
             name=label,
             mode="lines",
-            line={"color": PALETTE[i % len(PALETTE)], "width": 1},
+            line={"color": PALETTE[i % len(PALETTE)], "width": 1, "shape": shape},
         )
     fig.update_xaxes(title_text=TIME_AXIS)
     fig.update_yaxes(title_text=y_title, rangemode="tozero")
@@ -291,7 +376,9 @@ __all__ = [
     "block_map_figure",
     "block_strip_figure",
     "cdf_figure",
+    "fleet_timeline_figure",
     "overlay_timeline_figure",
+    "replica_bars_figure",
     "state_legend",
     "timeline_figure",
     "waterfall_figure",

@@ -151,7 +151,8 @@ def session_waterfall(requests: pd.DataFrame, session_id: int) -> pd.DataFrame:
 
     queueing: arrival -> first scheduled; prefill: first scheduled -> first token; decode:
     first token -> finish; tool wait: the turn's last finish -> the next turn's arrival.
-    A preempted request's label says so (its decode bar then includes the recompute).
+    A preempted request's label says so (its decode bar then includes the recompute); in a
+    fleet run (a ``replica`` column) it names the request's replica.
     Columns: label, turn, phase, start_s, duration_s. Missing times drop their segment.
     """
     rows = requests[requests["session_id"] == session_id].sort_values(
@@ -160,12 +161,15 @@ def session_waterfall(requests: pd.DataFrame, session_id: int) -> pd.DataFrame:
     if rows.empty:
         return pd.DataFrame(columns=["label", "turn", "phase", "start_s", "duration_s"])
     t0 = float(rows["arrival_s"].min())
+    fleet = "replica" in rows.columns
     next_arrival = rows.groupby("turn")["arrival_s"].min().shift(-1)
     turn_finish = rows.groupby("turn")["finish_s"].max()
     last_of_turn = ~rows["turn"].duplicated(keep="last")
     segments = []
     for rec, is_last in zip(rows.itertuples(index=False), last_of_turn, strict=True):
         label = f"turn {rec.turn}" if rec.subcall < 0 else f"turn {rec.turn}.{rec.subcall}"
+        if fleet:  # a fleet run: where the router placed it
+            label += f" [replica {rec.replica}]"
         if getattr(rec, "num_preemptions", 0):  # its decode bar includes the recompute
             label += f" (preempted {rec.num_preemptions}x)"
         bounds = [
@@ -185,3 +189,70 @@ def strided(n: int, max_n: int) -> tuple[np.ndarray, int]:
     """Indices of every k-th of ``n`` items so at most ``max_n`` remain, and k."""
     stride = max(1, math.ceil(n / max_n))
     return np.arange(0, n, stride), stride
+
+
+# --- Fleet runs (a ``replica`` column in requests.parquet and steps.parquet) -----------------
+
+REPLICA = "replica"
+ALL_REPLICAS = "all replicas"
+# A fleet's timelines share the point budget of one timeline, but no replica gets fewer.
+MIN_REPLICA_POINTS = 500
+
+
+def replica_points(num_replicas: int, max_points: int = MAX_TIMELINE_POINTS) -> int:
+    """Points per replica's timeline: an equal share of ``max_points``, at least
+    ``MIN_REPLICA_POINTS``."""
+    return max(max_points // max(num_replicas, 1), MIN_REPLICA_POINTS)
+
+
+def num_replicas(requests: pd.DataFrame, steps: pd.DataFrame, fleet: dict | None) -> int:
+    """Replicas of a fleet run: the summary's count, else one past the highest index seen."""
+    if isinstance(fleet, dict) and isinstance(fleet.get("replicas"), int):
+        return int(fleet["replicas"])
+    seen = [int(f[REPLICA].max()) for f in (requests, steps) if len(f)]
+    return max(seen, default=-1) + 1
+
+
+def by_replica(frame: pd.DataFrame, replicas: int) -> list[pd.DataFrame]:
+    """The rows of each replica ``0 .. replicas - 1`` in their order (empty frames for a
+    replica with none), without the replica column."""
+    groups = dict(iter(frame.groupby(REPLICA, sort=True)))
+    empty = frame.iloc[:0]
+    return [groups.get(r, empty).drop(columns=REPLICA) for r in range(replicas)]
+
+
+def take_token_times(
+    flat: np.ndarray, offsets: np.ndarray, rows: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """The per-token times of ``rows`` only, as ``(flat, offsets)`` like ``flatten_times``."""
+    rows = np.asarray(rows, dtype=np.int64)
+    starts = offsets[rows]
+    lengths = offsets[rows + 1] - starts
+    new_offsets = np.zeros(rows.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=new_offsets[1:])
+    index = np.repeat(starts - new_offsets[:-1], lengths) + np.arange(new_offsets[-1])
+    return flat[index], new_offsets
+
+
+def fleet_totals(steps: pd.DataFrame, replicas: int) -> pd.DataFrame:
+    """The fleet as one engine, one row per step of any replica (no zig-zag between them).
+
+    After each step: KV cache usage is the mean over the replicas and running / waiting
+    requests the sums, each replica counted at its latest step (0 before its first);
+    ``num_preemptions`` and ``duration_s`` stay the step's own.
+    """
+    out = steps[["start_s", "duration_s", "num_preemptions"]].copy()
+    groups = steps.groupby(REPLICA, sort=False)
+    for column in ("kv_cache_usage_perc", "num_requests_running", "num_requests_waiting"):
+        values = steps[column].astype(float)
+        previous = groups[column].shift(1).astype(float).fillna(0.0)
+        total = (values - previous).cumsum().to_numpy()
+        if column == "kv_cache_usage_perc":
+            out[column] = total / replicas
+        else:
+            out[column] = np.rint(total).astype(np.int64)
+    return out.reset_index(drop=True)
+
+
+def replica_label(replica: int) -> str:
+    return f"replica {replica}"

@@ -17,7 +17,7 @@ time, because ``st.cache_data`` hands out a pickled copy on every rerun.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -29,11 +29,17 @@ import streamlit as st
 
 from dashboard.data import (
     MAX_TIMELINE_POINTS,
+    REPLICA,
     REQUEST_VIEW_COLUMNS,
     TIMELINE_COLUMNS,
     Sampled,
+    by_replica,
     every_kth,
+    fleet_totals,
     latency_cdfs,
+    num_replicas,
+    replica_points,
+    take_token_times,
 )
 from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
 from sim.results import list_runs as complete_runs
@@ -68,10 +74,23 @@ class RunView:
     timeline: Sampled  # every k-th step of TIMELINE_COLUMNS
     preemptions: Sampled  # steps with num_preemptions > 0
     cdfs: pd.DataFrame  # latency_cdfs(): metric, priority_class, value, fraction
+    # A fleet run (a replica column in requests and steps): its number of replicas, and per
+    # replica its own timeline, preemption steps and CDFs. 0 and empty for one engine, whose
+    # timeline is its steps; a fleet's ``timeline`` is ``fleet_totals`` of all its steps.
+    replicas: int = 0
+    replica_timelines: tuple[Sampled, ...] = ()
+    replica_preemptions: tuple[Sampled, ...] = ()
+    replica_cdfs: tuple[pd.DataFrame, ...] = ()
 
     @property
     def label(self) -> str:
         return f"{self.summary.get('source', '?')}:{Path(self.path).name}"
+
+    @property
+    def fleet(self) -> dict[str, Any]:
+        """The summary's ``fleet`` section ({} when absent)."""
+        fleet = self.summary.get("fleet")
+        return fleet if isinstance(fleet, dict) else {}
 
 
 def _read_files(path: Path) -> tuple[dict[str, Any], pa.Table, pd.DataFrame, str]:
@@ -90,7 +109,17 @@ def _read_files(path: Path) -> tuple[dict[str, Any], pa.Table, pd.DataFrame, str
         lacking += [c for c in REQUEST_VIEW_COLUMNS if c not in requests.column_names]
         if lacking:
             raise ValueError(f"run files lack columns {', '.join(lacking)}")
-        steps = pd.read_parquet(path / STEPS, columns=TIMELINE_COLUMNS)
+        fleet = [REPLICA in step_names, REPLICA in requests.column_names]
+        if any(fleet) and not all(fleet):
+            where = "steps.parquet" if fleet[0] else "requests.parquet"
+            raise ValueError(f"only {where} has a {REPLICA} column (a fleet run has it in both)")
+        columns = TIMELINE_COLUMNS + ([REPLICA] if all(fleet) else [])
+        steps = pd.read_parquet(path / STEPS, columns=columns)
+        if all(fleet) and not (
+            pa.types.is_integer(requests.schema.field(REPLICA).type)
+            and pd.api.types.is_integer_dtype(steps[REPLICA])
+        ):
+            raise ValueError(f"the {REPLICA} column must hold integers")
     except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
         raise ValueError(f"{path}: cannot read run files: {exc}") from None
     if not isinstance(summary, dict):
@@ -111,17 +140,39 @@ def _token_times(requests: pa.Table) -> tuple[np.ndarray, np.ndarray] | None:
 def build_view(path: Path, max_points: int = MAX_TIMELINE_POINTS) -> RunView:
     """Read a run directory into a RunView (no caching). Bad files raise ValueError."""
     summary, table, steps, scenario_yaml = _read_files(Path(path))
-    requests = table.select(REQUEST_VIEW_COLUMNS).to_pandas()
+    is_fleet = REPLICA in steps.columns
+    columns = REQUEST_VIEW_COLUMNS + ([REPLICA] if is_fleet else [])
+    requests = table.select(columns).to_pandas()
     requests["priority_class"] = requests["priority_class"].astype("category")
     events = steps[steps["num_preemptions"] > 0]
-    return RunView(
+    token_times = _token_times(table)
+    view = RunView(
         path=str(path),
         summary=summary,
         scenario_yaml=scenario_yaml,
         requests=requests,
         timeline=every_kth(steps, max_points),
         preemptions=every_kth(events, max_points),
-        cdfs=latency_cdfs(requests, _token_times(table)),
+        cdfs=latency_cdfs(requests, token_times),
+    )
+    if not is_fleet:
+        return view
+    replicas = num_replicas(requests, steps, summary.get("fleet"))
+    points = replica_points(replicas, max_points)
+    order = np.argsort(requests[REPLICA].to_numpy(), kind="stable")  # rows by replica
+    bounds = np.searchsorted(requests[REPLICA].to_numpy()[order], np.arange(replicas + 1))
+    cdfs = []
+    for r in range(replicas):
+        rows = order[bounds[r] : bounds[r + 1]]
+        own = None if token_times is None else take_token_times(*token_times, rows)
+        cdfs.append(latency_cdfs(requests.iloc[rows], own))
+    return replace(
+        view,
+        timeline=every_kth(fleet_totals(steps, replicas), max_points),
+        replicas=replicas,
+        replica_timelines=tuple(every_kth(f, points) for f in by_replica(steps, replicas)),
+        replica_preemptions=tuple(every_kth(f, points) for f in by_replica(events, replicas)),
+        replica_cdfs=tuple(cdfs),
     )
 
 

@@ -130,3 +130,61 @@ def comparison_frame(rows: list[ComparisonRow]) -> pd.DataFrame:
             }
         )
     return pd.DataFrame(records)
+
+
+def fleet_frame(fleet: dict[str, Any]) -> pd.DataFrame:
+    """One row per replica of a fleet run's ``per_replica`` figures (percentages and ms)."""
+    rows = []
+    for r in fleet.get("per_replica") or []:
+        kv = r.get("kv_cache_usage") or {}
+        ttft = r.get("ttft_s") or {}
+        hit = r.get("prefix_cache_hit_rate")
+        busy = r.get("busy_frac")
+        rows.append(
+            {
+                "replica": r.get("replica"),
+                "requests": r.get("num_requests"),
+                "finished": r.get("num_finished"),
+                "output tokens": r.get("output_tokens"),
+                "busy (%)": None if busy is None else busy * 100,
+                "KV mean (%)": None if kv.get("mean") is None else kv["mean"] * 100,
+                "KV peak (%)": None if kv.get("peak") is None else kv["peak"] * 100,
+                "prefix hit rate (%)": None if hit is None else hit * 100,
+                "preemptions": r.get("preemptions"),
+                "TTFT p50 (ms)": _ms(ttft.get("p50")),
+                "TTFT p99 (ms)": _ms(ttft.get("p99")),
+            }
+        )
+    return pd.DataFrame(rows, columns=FLEET_COLUMNS)
+
+
+FLEET_COLUMNS = [
+    "replica",
+    "requests",
+    "finished",
+    "output tokens",
+    "busy (%)",
+    "KV mean (%)",
+    "KV peak (%)",
+    "prefix hit rate (%)",
+    "preemptions",
+    "TTFT p50 (ms)",
+    "TTFT p99 (ms)",
+]
+IMBALANCES = (
+    ("requests", "requests"),
+    ("output tokens", "output_tokens"),
+    ("busy time", "busy_time"),
+)
+
+
+def router_line(fleet: dict[str, Any]) -> str:
+    """The fleet's what-if in one line: replicas, router kind and its settings."""
+    router = dict(fleet.get("router") or {})
+    kind = router.pop("kind", "?")
+    settings = ", ".join(f"{k}={v}" for k, v in sorted(router.items()))
+    return (
+        f"What-if: {fleet.get('replicas', '?')} replicas behind a simulated `{kind}` router"
+        + (f" ({settings})" if settings else "")
+        + "; each replica is the vLLM-exact engine."
+    )

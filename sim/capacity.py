@@ -10,6 +10,10 @@ load is not cut off unfinished. From the scenario's own load the search
 doubles (or halves) until it brackets the edge, then bisects to one session or 2% of a
 rate. Every simulation is a point of the curve it returns (latency percentiles vs load),
 with the knee of the p99 TTFT curve.
+
+:func:`find_min_replicas` turns the question around for a fleet: the fewest replicas (GPUs,
+or tensor-parallel groups) behind a given router that hold the scenario's own load, by
+doubling (or halving) the replica count, then bisecting to one replica.
 """
 
 from __future__ import annotations
@@ -21,11 +25,14 @@ from typing import Any
 
 from sim.config.limits import MAX_SECONDS
 from sim.errors import KvsimConfigError
+from sim.fleet.config import MAX_REPLICAS
 from sim.scenario import Scenario, check_runnable, parse_scenario
 from sim.workload.agent_sessions import AgentSessionsWorkload
 from sim.workload.distributions import BurstArrivals
 from sim.workload.open_loop import OpenLoopWorkload
 
+# The most replicas kvsim capacity --replicas tries unless told (--max-replicas).
+DEFAULT_MAX_REPLICAS = 64
 RATE_TOLERANCE = 0.02  # bisection on a rate stops when hi / lo - 1 is below this
 MAX_SIMULATIONS = 40
 
@@ -54,6 +61,7 @@ class LoadPoint:
     output_throughput_tok_s: float | None
     preemptions: int | None
     peak_concurrent_sessions: int | None
+    prefix_cache_hit_rate: float | None = None
 
 
 @dataclass
@@ -158,6 +166,7 @@ def load_point(load: float, summary: dict[str, Any]) -> LoadPoint:
         output_throughput_tok_s=metrics.get("output_throughput_tok_s"),
         preemptions=(metrics.get("vllm:num_preemptions") or {}).get("total"),
         peak_concurrent_sessions=metrics.get("peak_concurrent_sessions"),
+        prefix_cache_hit_rate=metrics.get("prefix_cache_hit_rate"),
     )
 
 
@@ -258,3 +267,97 @@ def find_capacity(
             hi = mid
     curve = [points[x] for x in sorted(points)]
     return CapacityResult(knob, lo, hi, curve, knee(curve))
+
+
+@dataclass
+class ReplicaSearch:
+    """The fewest replicas that hold the load, behind one router."""
+
+    router: str
+    fewest: int | None  # None: even the most tried does not hold
+    most_failing: int | None  # the most replicas that did not hold (None: all held)
+    curve: list[LoadPoint] = field(default_factory=list)  # by replica count (``load``)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "router": self.router,
+            "fewest_replicas": self.fewest,
+            "most_failing_replicas": self.most_failing,
+            "simulations": len(self.curve),
+            "curve": [asdict(p) for p in self.curve],
+        }
+
+
+def find_min_replicas(
+    scenario: Scenario,
+    simulate_summary: Callable[[Scenario], dict[str, Any]],
+    router: str | None = None,
+    on_point: Callable[[LoadPoint], None] | None = None,
+    max_replicas: int = DEFAULT_MAX_REPLICAS,
+) -> ReplicaSearch:
+    """The fewest ``fleet.replicas`` that hold the scenario's load within its SLOs, with
+    the router of kind ``router`` (default: the scenario's own router, or round robin; a
+    router other than the scenario's gets its defaults and the scenario's
+    ``view_delay_s``).
+
+    Starts from the scenario's replica count (1 without a fleet section) and tries at most
+    ``max_replicas``, nor more replicas than the workload has requests. A point holds as
+    in :func:`find_capacity`. The search assumes more replicas never hurt, which holds for
+    the load-balancing routers; a router that piles traffic on one replica (pure prefix
+    affinity on a shared system prompt) may hold at no count: the curve shows it.
+    """
+    document = scenario.model_dump(mode="json")
+    fleet = document.get("fleet") or {"replicas": 1, "router": {"kind": "round_robin"}}
+    if router is not None and router != fleet["router"]["kind"]:
+        # Another router with its defaults, seeing replicas as stale as the scenario's.
+        delay = fleet["router"].get("view_delay_s", 0.0)
+        fleet["router"] = {"kind": router, "view_delay_s": delay}
+    document["fleet"] = fleet
+    kind = fleet["router"]["kind"]
+    points: dict[int, LoadPoint] = {}
+
+    def holds(replicas: int) -> bool:
+        if replicas not in points:
+            if len(points) >= MAX_SIMULATIONS:
+                raise KvsimConfigError(
+                    f"capacity: no answer within {MAX_SIMULATIONS} simulations; narrow the search"
+                )
+            fleet["replicas"] = replicas
+            spec = parse_scenario(document, f"{scenario.name} on {replicas} replicas ({kind})")
+            check_runnable(spec)
+            point = load_point(replicas, simulate_summary(spec))
+            points[replicas] = point
+            if on_point is not None:
+                on_point(point)
+        return points[replicas].holds
+
+    max_replicas = min(max_replicas, MAX_REPLICAS)
+    start = min(max(int(fleet["replicas"]), 1), max_replicas)
+    lo: int | None = None  # most replicas known to fail
+    hi: int | None = None  # fewest known to hold
+    if holds(start):
+        hi = start
+        while hi > 1:
+            nxt = hi // 2
+            if holds(nxt):
+                hi = nxt
+            else:
+                lo = nxt
+                break
+    else:
+        lo = start
+        # More replicas than requests leaves some idle: past that, adding more cannot help.
+        while hi is None and lo < max_replicas and lo < points[lo].num_requests:
+            nxt = min(lo * 2, max_replicas)
+            if holds(nxt):
+                hi = nxt
+            else:
+                lo = nxt
+    while lo is not None and hi is not None and hi - lo > 1:
+        mid = (lo + hi) // 2
+        if holds(mid):
+            hi = mid
+        else:
+            lo = mid
+    curve = [points[n] for n in sorted(points)]
+    return ReplicaSearch(kind, hi, lo, curve)

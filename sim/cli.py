@@ -109,7 +109,8 @@ def run(
             release_claim(out_dir)
         raise
     console.print(summary_table(result.summary))
-    console.print(f"KV cache: {kv_cache_summary(result.sizing)}", highlight=False)
+    per_replica = " per replica" if spec.fleet is not None else ""
+    console.print(f"KV cache: {kv_cache_summary(result.sizing)}{per_replica}", highlight=False)
     console.print(step_time_source(result.summary), highlight=False)
     sim_s = result.summary["duration_s"]
     console.print(

@@ -45,7 +45,9 @@ def capacity_table(summary: dict[str, Any]) -> Table:
     kv = m[KV_USAGE]
     p = m[PREEMPTIONS]
     table = Table(show_header=True)
-    table.add_column("engine")
+    table.add_column(
+        "engine (a fleet: steps of all replicas pooled)" if summary.get("fleet") else "engine"
+    )
     table.add_column("value", justify="right")
     rows = [
         (
@@ -81,9 +83,47 @@ def capacity_table(summary: dict[str, Any]) -> Table:
     return table
 
 
+def fleet_table(summary: dict[str, Any]) -> Table:
+    """One row per replica of a fleet run, and the load imbalance in the title."""
+    fleet = summary["fleet"]
+    router = fleet["router"]
+    imbalance = fleet["load_imbalance"]
+    title = (
+        f"fleet (what-if): {fleet['replicas']} replicas, router {router['kind']}; load "
+        f"imbalance (max / mean) requests {_num(imbalance['requests'], '.2f')}, busy time "
+        f"{_num(imbalance['busy_time'], '.2f')}"
+    )
+    table = Table(title=title, title_justify="left")
+    for col in (
+        "replica",
+        "requests",
+        "busy",
+        "KV mean / peak",
+        "prefix hits",
+        "preempt",
+        "TTFT p50 / p99",
+    ):
+        table.add_column(col, justify="left" if col == "replica" else "right")
+    for r in fleet["per_replica"]:
+        kv = r["kv_cache_usage"]
+        table.add_row(
+            str(r["replica"]),
+            f"{r['num_requests']:,}",
+            _pct(r["busy_frac"]),
+            f"{_pct(kv['mean'])} / {_pct(kv['peak'])}",
+            _pct(r["prefix_cache_hit_rate"]),
+            f"{r['preemptions']:,}",
+            f"{_ms(r['ttft_s']['p50'])} / {_ms(r['ttft_s']['p99'])}",
+        )
+    return table
+
+
 def summary_table(summary: dict[str, Any]) -> Group:
-    """Both tables, as `kvsim run` prints them."""
-    return Group(latency_table(summary), capacity_table(summary))
+    """The tables `kvsim run` prints (with one row per replica for a fleet)."""
+    tables: list[Table] = [latency_table(summary), capacity_table(summary)]
+    if summary.get("fleet"):
+        tables.append(fleet_table(summary))
+    return Group(*tables)
 
 
 def step_time_source(summary: dict[str, Any]) -> str:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.progress import (
@@ -23,6 +23,7 @@ from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
 
 if TYPE_CHECKING:
+    from sim.capacity import CapacityResult, Knob, LoadPoint, ReplicaSearch
     from sim.scenario import Scenario
 
 # Options several rollout commands take, declared once.
@@ -218,10 +219,28 @@ def capacity(
     ] = None,
     export_format: ExportFormatOption = None,
     export_out: ExportOutOption = None,
+    replicas: Annotated[
+        bool,
+        typer.Option(
+            "--replicas",
+            help="Search the fewest fleet replicas that hold the scenario's own load instead.",
+        ),
+    ] = False,
+    router: Annotated[
+        list[str] | None,
+        typer.Option(
+            help="With --replicas: a router kind to search for (repeatable; default the "
+            "scenario's router, or round_robin).",
+        ),
+    ] = None,
+    max_replicas: Annotated[
+        int | None,
+        typer.Option(min=1, max=1024, help="With --replicas: try at most this many (64)."),
+    ] = None,
 ) -> None:
-    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs."""
+    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs,
+    or with --replicas the fewest replicas (GPUs) that hold the load, per router."""
     from sim.capacity import default_knob, find_capacity, knob_for
-    from sim.export import export
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
 
@@ -234,21 +253,44 @@ def capacity(
             raise KvsimConfigError(
                 f"{source}: no SLO to hold; give one, e.g. --slo ttft_p99_s=2 --slo itl_p99_s=0.1"
             )
-        the_knob = knob_for(spec, knob) if knob is not None else default_knob(spec)
+        if replicas and knob is not None:
+            raise KvsimConfigError(
+                "--replicas searches the replica count and --knob a load: give one search"
+            )
+        if not replicas and (router or max_replicas is not None):
+            raise KvsimConfigError("--router and --max-replicas go with --replicas")
+        the_knob: Knob | None = None
+        if not replicas:
+            the_knob = knob_for(spec, knob) if knob is not None else default_knob(spec)
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
         check_parent(out, "--out")
         check_export_options(export_format, export_out, spec)
+        if the_knob is None:
+            results = _search_replicas(spec, router or [None], max_replicas)
+            document = {"replica_search": [r.to_json() for r in results]}
+        else:
+            knob_field = the_knob.field
 
-        def progress(point: object) -> None:
-            p = point  # a sim.capacity.LoadPoint
-            verdict = "holds" if p.holds else "fails: " + "; ".join(p.failed)
-            err_console.print(f"  {the_knob.field}={p.load:g}: {verdict}", highlight=False)
+            def progress(p: LoadPoint) -> None:
+                verdict = "holds" if p.holds else "fails: " + "; ".join(p.failed)
+                err_console.print(f"  {knob_field}={p.load:g}: {verdict}", highlight=False)
 
-        err_console.print(f"searching {the_knob.field} ({the_knob.unit}) of {spec.name}...")
-        result = find_capacity(spec, lambda s: simulate(s).summary, the_knob, progress)
+            err_console.print(f"searching {the_knob.field} ({the_knob.unit}) of {spec.name}...")
+            result = find_capacity(spec, lambda s: simulate(s).summary, the_knob, progress)
+            document = result.to_json()
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
+    if the_knob is None:
+        _print_replicas(spec, results)
+    else:
+        _print_capacity(spec, the_knob, result)
+    document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **document}
+    _write_results(out, document, spec, export_format, export_out)
+
+
+def _print_capacity(spec: Scenario, the_knob: Knob, result: CapacityResult) -> None:
+    """The curve and the answer of a load search."""
     table = Table(title=f"{spec.name}: latency vs {the_knob.field}")
     for column in ("load", "holds", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "E2E p99 s",
                    "tok/s", "preempt", "peak sessions"):  # fmt: skip
@@ -277,18 +319,85 @@ def capacity(
     if result.knee is not None:
         console.print(f"knee of the p99 TTFT curve: {result.knee:g}", highlight=False)
     console.print(f"{len(result.curve)} simulations", highlight=False)
+
+
+def _write_results(
+    out: Path | None,
+    document: dict[str, Any],
+    spec: Scenario,
+    export_format: str | None,
+    export_out: Path | None,
+) -> None:
+    """Write capacity.json into ``out`` and the export, once a search has finished."""
+    from sim.export import export
+
     try:
         if out is not None:
             out.mkdir(parents=True)
-            document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **result.to_json()}
             (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
             console.print(f"written to {out / 'capacity.json'}", highlight=False)
         if export_format is not None and export_out is not None:
-            # The deployment is the scenario's own engine config; only the load was searched.
+            # The deployment is the scenario's own engine config (one replica's, for a
+            # fleet); only the load or the replica count was searched.
             for file in export(spec, export_format, export_out):
                 console.print(f"wrote {file}", highlight=False)
     except (KvsimConfigError, OSError) as exc:
         raise fail(f"the search finished, but its results could not be written: {exc}") from None
+
+
+def _search_replicas(
+    spec: Scenario, routers: list[str | None], max_replicas: int | None
+) -> list[ReplicaSearch]:
+    """``kvsim capacity --replicas``: the fewest replicas per router, each simulation
+    printed as it finishes."""
+    from sim.capacity import DEFAULT_MAX_REPLICAS, find_min_replicas
+    from sim.fleet.config import ROUTER_KINDS
+    from sim.runner import simulate
+
+    for kind in routers:
+        if kind is not None and kind not in ROUTER_KINDS:
+            raise KvsimConfigError(f"--router {kind!r}: expected one of {', '.join(ROUTER_KINDS)}")
+    results = []
+    for kind in routers:
+        label = kind or (spec.fleet.router.kind if spec.fleet else "round_robin")
+
+        def progress(point: LoadPoint, label: str = label) -> None:
+            verdict = "holds" if point.holds else "fails: " + "; ".join(point.failed)
+            err_console.print(f"  {label}, {point.load:g} replicas: {verdict}", highlight=False)
+
+        err_console.print(f"searching the replica count of {spec.name} behind {label}...")
+        results.append(
+            find_min_replicas(
+                spec,
+                lambda s: simulate(s).summary,
+                kind,
+                progress,
+                max_replicas or DEFAULT_MAX_REPLICAS,
+            )
+        )
+    return results
+
+
+def _print_replicas(spec: Scenario, results: list[ReplicaSearch]) -> None:
+    """The table of ``kvsim capacity --replicas``: the answer per router."""
+    table = Table(title=f"{spec.name}: fewest replicas within the SLOs, per router")
+    for column in ("router", "fewest replicas", "there: TTFT p99 s", "ITL p99 s",
+                   "prefix hits", "simulations"):  # fmt: skip
+        table.add_column(column, justify="left" if column == "router" else "right")
+    for result in results:
+        best = next((p for p in result.curve if p.load == result.fewest), None)
+        table.add_row(
+            result.router,
+            "none tried holds" if result.fewest is None else str(result.fewest),
+            "-" if best is None or best.ttft_p99_s is None else f"{best.ttft_p99_s:.3g}",
+            "-" if best is None or best.itl_p99_s is None else f"{best.itl_p99_s:.3g}",
+            "-" if best is None or best.prefix_cache_hit_rate is None
+            else f"{best.prefix_cache_hit_rate * 100:.1f}%",
+            str(len(result.curve)),
+        )  # fmt: skip
+    console.print(table)
+    bounds = ", ".join(f"{k} <= {v:g}" for k, v in spec.slos.model_dump(exclude_none=True).items())
+    console.print(f"SLOs: {bounds}, and every request finished", highlight=False)
 
 
 def tune_cmd(

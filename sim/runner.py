@@ -19,6 +19,9 @@ from sim.config.sizing import KVSizing, size_kv_cache
 from sim.cost_model import CostModel, CostParams
 from sim.engine import Engine
 from sim.errors import KvsimConfigError
+from sim.fleet.dispatch import FleetDispatcher, Replica
+from sim.fleet.outputs import fleet_requests, fleet_section, fleet_steps
+from sim.fleet.routers import build_router
 from sim.recorder import Recorder
 from sim.results import write_run
 from sim.scenario import Scenario, scenario_to_yaml
@@ -65,6 +68,24 @@ def size_for(scenario: Scenario) -> KVSizing:
         raise KvsimConfigError(f"scenario {scenario.name!r}: {exc}") from None
 
 
+def _build_replica(
+    index: int,
+    env: simpy.Environment,
+    scenario: Scenario,
+    sizing: KVSizing,
+    cost_model: CostModel,
+    exact_reference: bool,
+    block_map: BlockMapRecorder | None,
+) -> Replica:
+    """One engine on the run's clock (a fleet has several; they share the cost model, which
+    holds no state)."""
+    engine_cfg = scenario.engine
+    scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
+    recorder = Recorder(engine_cfg.block_size, block_map)
+    engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
+    return Replica(index, engine, scheduler, recorder)
+
+
 def simulate(
     scenario: Scenario,
     calibration: CalibrationProfile | None = None,
@@ -87,36 +108,56 @@ def simulate(
         scenario.model, scenario.hardware, engine_cfg.tensor_parallel_size, params
     )
     env = simpy.Environment()
-    scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
+    fleet = scenario.fleet
+    # A fleet's block map shows its first replica.
     block_map = BlockMapRecorder()
-    recorder = Recorder(engine_cfg.block_size, block_map)
-    engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
+    replicas = [
+        _build_replica(
+            index, env, scenario, sizing, cost_model, exact_reference, None if index else block_map
+        )
+        for index in range(fleet.replicas if fleet is not None else 1)
+    ]
+    dispatcher: FleetDispatcher | None = None
+    if fleet is not None:
+        router = build_router(fleet.router, fleet.replicas, sizing.num_gpu_blocks)
+        dispatcher = FleetDispatcher(env, replicas, router, fleet.router.view_delay_s)
     workload = build_workload(scenario.workload, scenario.seed)
     rng = np.random.default_rng(scenario.seed)
-    workload.start(engine, rng)
+    workload.start(dispatcher or replicas[0].engine, rng)
     expected = workload.expected_num_requests()
 
     limit_s = scenario.limits.max_duration_s
-    engine.horizon_s = limit_s
+    for replica in replicas:
+        replica.engine.horizon_s = limit_s
     truncated = False
     next_report_s = PROGRESS_INTERVAL_S
     peek, step = env.peek, env.step
     while True:
         next_event_s = peek()
         if math.isinf(next_event_s):
-            break  # workload drained, engine idle
+            break  # workload drained, engines idle
         if next_event_s > limit_s:
             truncated = True
             break
         step()
         if progress is not None and env.now >= next_report_s:
             next_report_s = env.now + PROGRESS_INTERVAL_S
-            num_finished = len(recorder.requests) - scheduler.num_unfinished_requests
+            num_finished = sum(
+                len(r.recorder.requests) - r.scheduler.num_unfinished_requests for r in replicas
+            )
             progress(env.now, num_finished, expected)
 
-    requests = recorder.requests_frame()
-    steps = recorder.steps_frame()
-    end_s = float(steps["start_s"].iat[-1] + steps["duration_s"].iat[-1]) if len(steps) else 0.0
+    if dispatcher is None:
+        recorder = replicas[0].recorder
+        requests = recorder.requests_frame()
+        steps = recorder.steps_frame()
+        end_s = float(steps["start_s"].iat[-1] + steps["duration_s"].iat[-1]) if len(steps) else 0.0
+    else:
+        requests = fleet_requests(
+            [r.recorder.requests_frame() for r in replicas], dispatcher.assignments
+        )
+        steps = fleet_steps([r.recorder.steps_frame() for r in replicas])
+        end_s = float((steps["start_s"] + steps["duration_s"]).max()) if len(steps) else 0.0
     duration_s = limit_s if truncated else end_s
     provenance = {
         "source": "sim",
@@ -142,4 +183,6 @@ def simulate(
         },
         num_usable_blocks=sizing.num_usable_blocks,
     )
+    if fleet is not None:
+        summary["fleet"] = fleet_section(fleet, requests, steps, duration_s)
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

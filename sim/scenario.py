@@ -28,6 +28,7 @@ from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
 from sim.config.sizing import KVSizing, size_kv_cache
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
+from sim.fleet.config import FleetConfig
 from sim.workload import WorkloadConfig
 from sim.workload.distributions import BurstArrivals, EmpiricalLength
 from sim.workload.trace import TraceWorkload
@@ -80,6 +81,10 @@ class Scenario(KvsimModel):
     workload: WorkloadConfig = Field(description="The traffic (kind: open_loop, ...).")
     slos: Slos = Field(default_factory=Slos, description="Latency objectives for goodput.")
     limits: Limits = Field(default_factory=Limits, description="Run limits.")
+    fleet: FleetConfig | None = Field(
+        None,
+        description="Replicas of this engine behind a router (a what-if); none: one engine.",
+    )
 
     @field_validator("model", mode="before")
     @classmethod
@@ -254,7 +259,12 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
     first_arrival_s: float | None = None
     what = ""
     if isinstance(workload, TraceWorkload):
-        records = workload.records()
+        records = workload.replayed()
+        if not records:
+            raise KvsimConfigError(
+                f"{where}: workload.until_s={workload.until_s:g} is before the first row of "
+                f"{workload.path} (x time_scale={workload.time_scale}): nothing to replay"
+            )
         first_arrival_s = min(r.timestamp_s for r in records) * workload.time_scale
         what = f"the trace's first timestamp ({workload.path}, x time_scale={workload.time_scale})"
         too_long = [
@@ -294,4 +304,7 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
 
 def scenario_to_yaml(scenario: Scenario) -> str:
     """The scenario as resolved (presets expanded), as written next to a run's results."""
-    return yaml.safe_dump(scenario.model_dump(mode="json"), sort_keys=False)
+    document = scenario.model_dump(mode="json")
+    if document["fleet"] is None:
+        del document["fleet"]  # one engine: the file reads as before fleets existed
+    return yaml.safe_dump(document, sort_keys=False)

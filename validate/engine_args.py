@@ -59,6 +59,12 @@ def engine_kwargs(
     scenario: Scenario, device: str, model: str
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """``EngineArgs`` keyword arguments and the environment variables the device needs."""
+    if scenario.fleet is not None:
+        raise KvsimConfigError(
+            f"fleet.replicas={scenario.fleet.replicas}: a replay drives one vLLM engine, and "
+            "routers exist only in the simulator; remove the fleet section to replay (or "
+            "validate) one replica's engine"
+        )
     e = scenario.engine
     # The scenario's engine settings, named as kvsim exports them for rollout (one mapping),
     # plus what a replay needs: the recording scheduler, the seed, stats on.

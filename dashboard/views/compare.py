@@ -114,5 +114,11 @@ with guard("comparing " + ", ".join(str(Path(v.path).name) for v in views)):
     notes = [
         f"{label}: {n}" for v, label in zip(views, labels, strict=True) if (n := v.timeline.note())
     ]
+    notes += [
+        f"{label} is a fleet of {v.replicas} replicas: its KV usage is their mean and its "
+        "running requests their sum"
+        for v, label in zip(views, labels, strict=True)
+        if v.replicas
+    ]
     if notes:
         st.caption("; ".join(notes) + ".")

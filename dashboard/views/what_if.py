@@ -110,7 +110,14 @@ def _show_result(state: dict[str, Any]) -> None:
     with st.spinner("Loading the charts..."):
         from dashboard import charts
         from dashboard.components import show_summary
-        from dashboard.data import every_kth, flatten_times, latency_cdfs
+        from dashboard.data import (
+            REPLICA,
+            every_kth,
+            flatten_times,
+            fleet_totals,
+            latency_cdfs,
+            num_replicas,
+        )
         from sim.results import claim_new_run_dir
 
     result = state["result"]
@@ -120,11 +127,22 @@ def _show_result(state: dict[str, Any]) -> None:
     st.code(f"kvsim run {state['source']} {sets}".strip(), language="bash")
     show_summary(result.summary, key="wi")
 
-    sampled = every_kth(result.steps)
-    events = result.steps[result.steps["num_preemptions"] > 0]
+    steps = result.steps
+    fleet = result.summary.get("fleet") if REPLICA in steps.columns else None
+    if fleet is not None:  # the fleet as one engine: no zig-zag between the replicas
+        steps = fleet_totals(steps, num_replicas(result.requests, steps, fleet))
+    sampled = every_kth(steps)
+    events = steps[steps["num_preemptions"] > 0]
     fig = charts.timeline_figure(sampled.frame, events, title="KV cache and requests over time")
     st.plotly_chart(fig, key="wi-timeline")
-    if note := sampled.note():
+    note = sampled.note()
+    if fleet is not None:
+        note = (f"{note}; " if note else "") + (
+            f"a fleet of {fleet.get('replicas', '?')} replicas: KV usage is their mean and "
+            "requests their sum (save the run and open it in the Run explorer for each "
+            "replica's figures)."
+        )
+    if note:
         st.caption(note)
     cdfs = latency_cdfs(result.requests, flatten_times(result.requests["token_times_s"]))
     cols = st.columns(3)

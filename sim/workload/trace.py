@@ -287,6 +287,13 @@ class TraceWorkload(KvsimModel):
     on_too_long: Literal["error", "skip"] = Field(
         "error", description="Rows whose input + output exceed max_model_len: raise or skip."
     )
+    until_s: float | None = Field(
+        None,
+        gt=0,
+        le=MAX_SECONDS,
+        description="Replay only the rows whose scaled timestamp is before this (a window "
+        "of a long trace, e.g. its first 15 minutes); none: every row.",
+    )
     vocab_size: int = Field(
         DEFAULT_VOCAB_SIZE,
         gt=MIN_TOKEN_ID,
@@ -308,13 +315,20 @@ class TraceWorkload(KvsimModel):
             stash(self, "_records", records)
         return records
 
+    def replayed(self) -> list[TraceRecord]:
+        """The rows within ``until_s``, in timestamp order."""
+        records = sorted(self.records(), key=lambda r: r.timestamp_s)
+        if self.until_s is not None:
+            records = [r for r in records if r.timestamp_s * self.time_scale < self.until_s]
+        return records
+
     def expected_num_requests(self) -> int | None:
-        """The number of rows (rows skipped as too long are still counted)."""
-        return len(self.records())
+        """The number of rows replayed (rows skipped as too long are still counted)."""
+        return len(self.replayed())
 
     def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
         """Read the trace and spawn one process that submits its rows in timestamp order."""
-        records = sorted(self.records(), key=lambda r: r.timestamp_s)
+        records = self.replayed()
         too_long = [r for r in records if r.input_length + r.output_length > sink.max_model_len]
         if too_long and self.on_too_long == "error":
             r = too_long[0]

@@ -44,3 +44,20 @@ def runs_env(small_runs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Point the dashboard at ``small_runs`` through $KVSIM_RUNS_DIR."""
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(small_runs))
     return small_runs
+
+
+@pytest.fixture(scope="session")
+def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A runs directory with one simulated fleet run, ``fleet-small``: priority-mix's 32
+    sessions on 2 replicas (``priority-small``'s pool each) behind round robin, with a few
+    preemptions on each and its block map (of replica 0)."""
+    base = tmp_path_factory.mktemp("fleet-runs")
+    overrides = [
+        "workload.sessions=32",
+        "engine.num_gpu_blocks_override=2100",
+        "fleet.replicas=2",
+    ]
+    simulate(load_scenario(SCENARIO_DIR / "priority-mix.yaml", overrides)).write(
+        base / "fleet-small"
+    )
+    return base

@@ -17,6 +17,27 @@ from sim.recorder import REQUEST_COLUMNS, STEP_COLUMNS
 
 CLASSES = ("interactive", "background")
 
+# A hand-written ``fleet`` section of summary.json (two replicas, one with few figures).
+FLEET_SECTION: dict = {
+    "replicas": 2,
+    "router": {"kind": "session_affinity", "load_factor": 1.25, "view_delay_s": 0.0},
+    "load_imbalance": {"requests": 1.2, "output_tokens": 1.1, "busy_time": None},
+    "per_replica": [
+        {
+            "replica": 0,
+            "num_requests": 12,
+            "num_finished": 11,
+            "output_tokens": 3000,
+            "busy_frac": 0.5,
+            "kv_cache_usage": {"mean": 0.25, "p95": 0.5, "peak": 0.75},
+            "prefix_cache_hit_rate": 0.8,
+            "preemptions": 2,
+            "ttft_s": {"p50": 0.05, "p99": 0.5},
+        },
+        {"replica": 1, "num_requests": 8, "prefix_cache_hit_rate": None, "ttft_s": {}},
+    ],
+}
+
 
 def synthesize_run(
     out_dir: Path,
@@ -193,3 +214,46 @@ def _summary(n: int, columns: dict, end_s: float, num_blocks: int) -> dict:
             "ttft_p99_s": {"target": 2.0, "value": float(np.percentile(ttft, 99)), "pass": True}
         },
     }
+
+
+def synthesize_fleet_run(
+    out_dir: Path,
+    replicas: int = 3,
+    num_requests: int = 600,
+    steps_per_request: int = 4,
+    seed: int = 0,
+) -> Path:
+    """A fleet run directory: ``synthesize_run``'s files as if ``replicas`` replicas served
+    them behind a session-affinity router, the way ``sim.fleet.outputs`` writes a fleet run.
+
+    Request ``i`` goes to replica ``session % replicas``, except every session's last turn,
+    which spills to the next replica. Steps go to the replicas in turn (step ``j`` of the
+    merged table to replica ``j % replicas``, counting its own ``step`` from 1), so the
+    table stays ordered by start time then replica. ``summary.json`` gets the ``fleet``
+    section of :func:`sim.fleet.outputs.fleet_section`.
+    """
+    import pandas as pd
+
+    from sim.fleet.config import FleetConfig
+    from sim.fleet.outputs import REPLICA, fleet_section
+
+    synthesize_run(
+        out_dir, num_requests=num_requests, steps_per_request=steps_per_request, seed=seed
+    )
+    requests = pd.read_parquet(out_dir / "requests.parquet")
+    spill = requests["turn"] == requests["turn"].max()
+    requests[REPLICA] = ((requests["session_id"] + spill) % replicas).astype(np.int64)
+    steps = pd.read_parquet(out_dir / "steps.parquet")
+    index = np.arange(len(steps))
+    steps[REPLICA] = (index % replicas).astype(np.int64)
+    steps["step"] = index // replicas + 1
+    requests.to_parquet(out_dir / "requests.parquet", index=False)
+    steps.to_parquet(out_dir / "steps.parquet", index=False)
+    summary = json.loads((out_dir / "summary.json").read_text())
+    config = FleetConfig.model_validate(
+        {"replicas": replicas, "router": {"kind": "session_affinity"}}
+    )
+    section = fleet_section(config, requests, steps, summary["duration_s"])
+    summary["fleet"] = json.loads(json.dumps(section, default=float))
+    (out_dir / "summary.json").write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return out_dir

@@ -7,6 +7,8 @@ import pandas as pd
 
 from dashboard import charts
 from dashboard.data import ALL_CLASSES, TIMELINE_COLUMNS
+from dashboard.tables import fleet_frame
+from tests.dashboard.synth import FLEET_SECTION
 
 
 def _steps(n: int = 50) -> pd.DataFrame:
@@ -59,6 +61,7 @@ def test_overlay_timeline_figure() -> None:
     )
     assert [t.name for t in fig.data] == ["a", "b"]
     assert fig.data[0].y[-1] == 100
+    assert fig.data[0].line.shape == "linear"
     assert _axis_titles(fig) == {"KV cache usage (%)", "time (s)"}
 
 
@@ -108,3 +111,40 @@ def test_waterfall_figure() -> None:
     assert list(decode.base) == [1.0] and list(decode.x) == [2.0]
     assert list(fig.layout.yaxis.categoryarray) == ["turn 0", "turn 1"]
     assert _axis_titles(fig) == {"time since the session's first arrival (s)", "turn"}
+
+
+def test_fleet_timeline_figure_one_colour_and_legend_entry_per_replica() -> None:
+    a, b = _steps(4), _steps(3).assign(kv_cache_usage_perc=[0.5, 0.25, 0.0])
+    events = b.iloc[[1]].assign(num_preemptions=[3])
+    fig = charts.fleet_timeline_figure({"replica 0": a, "replica 1": b}, {"replica 1": events})
+    names = [t.name for t in fig.data]
+    assert names == [
+        "replica 0",
+        "replica 0: running",
+        "replica 0: waiting",
+        "replica 1",
+        "replica 1: preemption",
+        "replica 1: running",
+        "replica 1: waiting",
+    ]
+    assert [t.showlegend for t in fig.data] == [None, False, False, None, False, False, False]
+    assert [t.legendgroup for t in fig.data] == ["replica 0"] * 3 + ["replica 1"] * 4
+    colors = [t.line.color if t.mode == "lines" else t.marker.color for t in fig.data]
+    assert colors == [charts.PALETTE[0]] * 3 + [charts.PALETTE[1]] * 4
+    assert list(fig.data[3].y) == [50.0, 25.0, 0.0]  # percent
+    assert {t.line.shape for t in fig.data if t.mode == "lines"} == {"hv"}  # held per step
+    assert list(fig.data[4].customdata) == [3]
+    assert [t.line.dash for t in fig.data if t.name.endswith(("running", "waiting"))] == [
+        "solid",
+        "dot",
+    ] * 2
+    assert _axis_titles(fig) == {"KV cache usage (%)", "requests", "time (s)"}
+
+
+def test_replica_bars_figure() -> None:
+    fig = charts.replica_bars_figure(fleet_frame(FLEET_SECTION))
+    assert [t.name for t in fig.data] == ["requests", "busy (%)", "prefix hit rate (%)"]
+    assert [list(t.x) for t in fig.data] == [["r0", "r1"]] * 3
+    assert list(fig.data[0].y) == [12, 8]
+    assert fig.data[1].y[0] == 50.0 and fig.data[2].y[0] == 80.0
+    assert _axis_titles(fig) >= {"requests", "busy time (%)", "prefix-cache hit rate (%)"}

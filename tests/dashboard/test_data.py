@@ -10,18 +10,34 @@ import pytest
 
 from dashboard.data import (
     ALL_CLASSES,
+    REPLICA,
+    by_replica,
     cdf_points,
     every_kth,
     flatten_times,
+    fleet_totals,
     itl_samples,
     latency_cdfs,
+    num_replicas,
     ordinal,
+    replica_label,
+    replica_points,
     session_waterfall,
+    take_token_times,
 )
 from dashboard.knobs import build_overrides, knobs_for, question, scenario_from, yaml_value
-from dashboard.tables import comparison_frame, engine_frame, latency_frame, slo_frame
+from dashboard.tables import (
+    FLEET_COLUMNS,
+    comparison_frame,
+    engine_frame,
+    fleet_frame,
+    latency_frame,
+    router_line,
+    slo_frame,
+)
 from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR
+from tests.dashboard.synth import FLEET_SECTION
 from validate.compare import ComparisonRow
 
 
@@ -247,3 +263,98 @@ def test_comparison_frame_in_percent() -> None:
     assert errors[1] == math.inf
     assert errors[2] is None or math.isnan(errors[2])
     assert list(frame["unit"]) == ["s", "-", "s"]
+
+
+# --- Fleet runs ------------------------------------------------------------------------------
+
+
+def test_fleet_totals_count_each_replica_at_its_latest_step() -> None:
+    steps = pd.DataFrame(
+        {
+            "start_s": [0.0, 0.5, 1.0, 1.2, 2.0],
+            "duration_s": [0.1, 0.2, 0.3, 0.4, 0.5],
+            "num_preemptions": [0, 1, 0, 0, 2],
+            "kv_cache_usage_perc": [0.2, 0.6, 0.4, 0.0, 0.8],
+            "num_requests_running": [2, 5, 3, 0, 7],
+            "num_requests_waiting": [0, 1, 0, 0, 4],
+            REPLICA: [0, 1, 0, 1, 2],
+        }
+    )
+    totals = fleet_totals(steps, replicas=3)
+    assert list(totals.columns) == [
+        "start_s",
+        "duration_s",
+        "num_preemptions",
+        "kv_cache_usage_perc",
+        "num_requests_running",
+        "num_requests_waiting",
+    ]
+    assert list(totals["start_s"]) == [0.0, 0.5, 1.0, 1.2, 2.0]
+    assert list(totals["num_preemptions"]) == [0, 1, 0, 0, 2]  # the step's own
+    # replica 0: 0.2 then 0.4; replica 1: 0.6 then 0.0; replica 2: 0.8 (0 before its step)
+    assert list(totals["kv_cache_usage_perc"]) == pytest.approx(
+        [0.2 / 3, 0.8 / 3, 1.0 / 3, 0.4 / 3, 1.2 / 3]
+    )
+    assert list(totals["num_requests_running"]) == [2, 7, 8, 3, 10]
+    assert list(totals["num_requests_waiting"]) == [0, 1, 1, 0, 4]
+    assert totals["num_requests_running"].dtype == np.int64
+
+
+def test_by_replica_num_replicas_and_points() -> None:
+    frame = pd.DataFrame({"x": [1, 2, 3, 4], REPLICA: [2, 0, 2, 0]})
+    parts = by_replica(frame, 4)
+    assert [list(p["x"]) for p in parts] == [[2, 4], [], [1, 3], []]
+    assert all(list(p.columns) == ["x"] for p in parts)
+    assert num_replicas(frame, frame.iloc[:0], {"replicas": 4}) == 4
+    assert num_replicas(frame, frame.iloc[:0], None) == 3  # one past the highest seen
+    assert num_replicas(frame.iloc[:0], frame.iloc[:0], {}) == 0
+    assert replica_points(1) == 5000 and replica_points(4) == 1250
+    assert replica_points(64) == 500  # the floor
+    assert replica_label(3) == "replica 3"
+
+
+def test_take_token_times_of_some_rows() -> None:
+    flat, offsets = flatten_times(pd.Series([[1.0, 2.0], [], [3.0, 4.0, 5.0], [6.0]]))
+    sub_flat, sub_offsets = take_token_times(flat, offsets, np.array([0, 2, 3]))
+    assert list(sub_flat) == [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
+    assert list(sub_offsets) == [0, 2, 5, 6]
+    sub_flat, sub_offsets = take_token_times(flat, offsets, np.array([3, 1]))
+    assert list(sub_flat) == [6.0] and list(sub_offsets) == [0, 1, 1]
+    sub_flat, sub_offsets = take_token_times(flat, offsets, np.array([], dtype=np.int64))
+    assert sub_flat.size == 0 and list(sub_offsets) == [0]
+
+
+def test_session_waterfall_names_the_replica_in_a_fleet_run() -> None:
+    rows = _session_rows().assign(**{REPLICA: [0, 1, 1, 0]})
+    labels = list(dict.fromkeys(session_waterfall(rows, 3)["label"]))
+    assert labels == ["turn 0 [replica 0]", "turn 1.0 [replica 1]", "turn 1.1 [replica 1]"]
+
+
+def test_fleet_frame_and_router_line() -> None:
+    frame = fleet_frame(FLEET_SECTION)
+    assert list(frame.columns) == FLEET_COLUMNS
+    first = frame.iloc[0].to_dict()
+    assert first == {
+        "replica": 0,
+        "requests": 12,
+        "finished": 11,
+        "output tokens": 3000,
+        "busy (%)": 50.0,
+        "KV mean (%)": 25.0,
+        "KV peak (%)": 75.0,
+        "prefix hit rate (%)": 80.0,
+        "preemptions": 2,
+        "TTFT p50 (ms)": 50.0,
+        "TTFT p99 (ms)": 500.0,
+    }
+    second = frame.iloc[1]
+    assert second["requests"] == 8
+    assert all(pd.isna(second[c]) for c in FLEET_COLUMNS if c not in ("replica", "requests"))
+    assert fleet_frame({}).empty and list(fleet_frame({}).columns) == FLEET_COLUMNS
+    assert router_line(FLEET_SECTION) == (
+        "What-if: 2 replicas behind a simulated `session_affinity` router (load_factor=1.25, "
+        "view_delay_s=0.0); each replica is the vLLM-exact engine."
+    )
+    assert router_line({}) == (
+        "What-if: ? replicas behind a simulated `?` router; each replica is the vLLM-exact engine."
+    )

@@ -12,10 +12,17 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from dashboard.data import ALL_CLASSES, MAX_TIMELINE_POINTS
+from dashboard.data import (
+    ALL_CLASSES,
+    MAX_TIMELINE_POINTS,
+    REPLICA,
+    TIMELINE_COLUMNS,
+    fleet_totals,
+    replica_points,
+)
 from dashboard.loaders import build_view, list_runs, mtime_key, read_block_map
 from dashboard.locations import list_sweeps, runs_dir
-from tests.dashboard.synth import synthesize_run
+from tests.dashboard.synth import synthesize_fleet_run, synthesize_run
 
 
 def test_runs_dir_from_argv_env_or_default(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -120,3 +127,83 @@ def test_synthetic_run_view_is_downsampled_and_complete(tmp_path: Path) -> None:
     itl = view.cdfs[(view.cdfs.metric == "itl") & (view.cdfs.priority_class == ALL_CLASSES)]
     num_gaps = int((view.requests["output_tokens"] - 1).sum())
     assert itl["fraction"].iloc[0] == pytest.approx(1 / num_gaps)
+
+
+# --- Fleet runs ------------------------------------------------------------------------------
+
+
+def test_build_view_of_a_synthetic_fleet_run(tmp_path: Path) -> None:
+    run = synthesize_fleet_run(tmp_path / "fleet", replicas=3, num_requests=600)
+    view = build_view(run, max_points=1500)
+    requests = pd.read_parquet(run / "requests.parquet")
+    steps = pd.read_parquet(run / "steps.parquet")
+    assert view.replicas == 3 and view.fleet["replicas"] == 3
+    assert list(view.requests[REPLICA]) == list(requests[REPLICA])
+    # 2,400 steps, 800 per replica: each replica's own timeline within its share of points
+    assert replica_points(3, 1500) == 500
+    for r, (timeline, events) in enumerate(
+        zip(view.replica_timelines, view.replica_preemptions, strict=True)
+    ):
+        own = steps[steps[REPLICA] == r]
+        assert (timeline.total, timeline.stride) == (800, 2)
+        assert timeline.note() == "showing 401 of 800 steps (every 2nd)"  # and the last
+        assert REPLICA not in timeline.frame.columns
+        kept = [*range(0, 800, 2), 799]
+        assert list(timeline.frame["start_s"]) == list(own["start_s"].iloc[kept])
+        assert events.total == int((own["num_preemptions"] > 0).sum())
+    # "all replicas" is the fleet as one engine: no zig-zag between the replicas' lines
+    totals = fleet_totals(steps[[*TIMELINE_COLUMNS, REPLICA]], 3)
+    assert view.timeline.total == 2400 and view.timeline.stride == 2
+    assert list(view.timeline.frame["num_requests_running"]) == list(
+        totals["num_requests_running"].iloc[[*range(0, 2400, 2), 2399]]
+    )
+    # each replica's CDFs are those of its own requests
+    for r, cdfs in enumerate(view.replica_cdfs):
+        own = requests[requests[REPLICA] == r]
+        ttft = cdfs[(cdfs.metric == "ttft") & (cdfs.priority_class == ALL_CLASSES)]
+        assert list(ttft["value"]) == sorted(own["ttft_s"])
+        itl = cdfs[(cdfs.metric == "itl") & (cdfs.priority_class == ALL_CLASSES)]
+        assert itl["fraction"].iloc[0] == pytest.approx(1 / int((own["output_tokens"] - 1).sum()))
+        assert set(cdfs["priority_class"]) == {ALL_CLASSES, "interactive", "background"}
+
+
+def test_build_view_of_a_single_engine_run_has_no_replicas(tmp_path: Path) -> None:
+    run = synthesize_run(tmp_path / "one", num_requests=200, steps_per_request=2)
+    view = build_view(run)
+    assert view.replicas == 0 and view.fleet == {}
+    assert view.replica_timelines == view.replica_preemptions == view.replica_cdfs == ()
+    assert REPLICA not in view.requests.columns and REPLICA not in view.timeline.frame.columns
+    steps = pd.read_parquet(run / "steps.parquet")
+    assert list(view.timeline.frame["kv_cache_usage_perc"]) == list(steps["kv_cache_usage_perc"])
+
+
+def test_build_view_of_a_simulated_fleet_run(fleet_run: Path) -> None:
+    view = build_view(fleet_run / "fleet-small")
+    per_replica = view.fleet["per_replica"]
+    assert view.replicas == 2 and len(per_replica) == 2
+    assert [t.total for t in view.replica_timelines] == [r["num_steps"] for r in per_replica]
+    assert [int((view.requests[REPLICA] == r).sum()) for r in range(2)] == [
+        r["num_requests"] for r in per_replica
+    ]
+    for r, cdfs in enumerate(view.replica_cdfs):
+        ttft = cdfs[(cdfs.metric == "ttft") & (cdfs.priority_class == ALL_CLASSES)]
+        own = view.requests[view.requests[REPLICA] == r]
+        assert list(ttft["value"]) == sorted(own["ttft_s"])
+        assert np.percentile(ttft["value"], 50) == pytest.approx(per_replica[r]["ttft_s"]["p50"])
+
+
+@pytest.mark.parametrize("where", ["requests", "steps", "text"])
+def test_build_view_of_a_broken_fleet_run(tmp_path: Path, where: str) -> None:
+    run = synthesize_fleet_run(tmp_path / "fleet", replicas=2, num_requests=100)
+    name = "steps" if where == "steps" else "requests"
+    frame = pd.read_parquet(run / f"{name}.parquet")
+    if where == "text":
+        frame[REPLICA] = frame[REPLICA].astype(str)
+        message = "the replica column must hold integers"
+    else:
+        frame = frame.drop(columns=REPLICA)
+        other = "requests" if where == "steps" else "steps"
+        message = f"only {other}.parquet has a replica column"
+    frame.to_parquet(run / f"{name}.parquet")
+    with pytest.raises(ValueError, match=f"cannot read run files: {message}"):
+        build_view(run)

@@ -40,6 +40,12 @@ def _charts(at: AppTest) -> list:
     return at.get("plotly_chart")
 
 
+def _trace_names(at: AppTest, key: str) -> list[str]:
+    """The trace names of the page's chart with this widget key."""
+    (chart,) = [c for c in _charts(at) if c.proto.id.endswith(f"-{key}")]
+    return [trace.get("name") for trace in json.loads(chart.proto.spec)["data"]]
+
+
 def test_what_if_renders_knobs(runs_env: Path) -> None:
     at = _app()
     assert _texts(at.title) == ["What-if"]
@@ -156,12 +162,88 @@ def test_run_explorer(runs_env: Path) -> None:
     snapshot = at.select_slider(key="ex-snapshot")
     assert snapshot.value == len(snapshot.options) - 1 > 10  # the last snapshot first
     assert len(_charts(at)) == 7  # timeline, map, strip, 3 CDFs, waterfall
+    # one engine: no replica picker and no fleet view
+    assert "ex-replica" not in {w.key for w in at.selectbox}
+    assert not [h for h in heads if h.startswith("Fleet")]
+    assert not [c for c in _texts(at.caption) if "replica" in c]
     captions = " ".join(_texts(at.caption))
     assert "steps with preemptions" in captions
     at.select_slider(key="ex-snapshot").set_value(3).run()
     assert not at.exception, at.exception
     assert "t = " in " ".join(_texts(at.caption))
     at.selectbox(key="ex-session").set_value(5).run()
+    assert not at.exception, at.exception
+    assert "Time per phase" in " ".join(_texts(at.caption))
+
+
+def test_run_explorer_fleet_run(fleet_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(fleet_run))
+    run = fleet_run / "fleet-small"
+    fleet = json.loads((run / "summary.json").read_text())["fleet"]
+    at = _page(_app(), "run_explorer")
+    assert at.selectbox(key="ex-select").value == run
+    assert not at.error, _texts(at.error)
+    assert _texts(at.subheader) == [
+        "Fleet (what-if): 2 replicas, round_robin router",
+        "KV cache and requests over time",
+        "HBM block map",
+        "Latency CDFs by priority class",
+        "Agent session waterfall",
+    ]
+    captions = _texts(at.caption)
+    assert captions[0] == (
+        "What-if: 2 replicas behind a simulated `round_robin` router (view_delay_s=0.0); each "
+        "replica is the vLLM-exact engine."
+    )
+    assert "A fleet run's block map shows replica 0 only, whichever replica is picked." in captions
+    imbalance = {m.label: m.value for m in at.metric if m.label.startswith("imbalance")}
+    assert imbalance == {
+        f"imbalance: {name}": f"{fleet['load_imbalance'][key]:.2f}"
+        for name, key in (
+            ("requests", "requests"),
+            ("output tokens", "output_tokens"),
+            ("busy time", "busy_time"),
+        )
+    }
+    table = next(d.value for d in at.dataframe if "busy (%)" in d.value.columns)
+    assert list(table["requests"]) == [r["num_requests"] for r in fleet["per_replica"]]
+    assert list(table["preemptions"]) == [r["preemptions"] for r in fleet["per_replica"]]
+    # fleet bars, per-replica KV lines, per-replica timeline, block map and strip, 3 CDFs,
+    # waterfall
+    assert len(_charts(at)) == 9
+    assert _trace_names(at, "ex-fleet-kv") == ["replica 0", "replica 1"]
+    # all replicas: one line per replica (KV above; running and waiting below), no zig-zag
+    names = _trace_names(at, "ex-timeline")
+    for r in (0, 1):
+        assert [n for n in names if n.startswith(f"replica {r}") and ": p" not in n] == [
+            f"replica {r}",
+            f"replica {r}: running",
+            f"replica {r}: waiting",
+        ]
+    picker = at.selectbox(key="ex-replica")
+    assert picker.options == ["all replicas", "replica 0", "replica 1"]
+    assert picker.value == -1
+    assert at.selectbox(key="ex-session").label == "Session (32 in this run)"
+    assert any(c.startswith("One colour per replica") for c in captions)
+
+    picker.set_value(1).run()
+    assert not at.exception, at.exception
+    assert not at.error, _texts(at.error)
+    captions = _texts(at.caption)
+    own = fleet["per_replica"][1]
+    assert any(
+        c.startswith("replica 1 only: ") and f", {own['preemptions']:,} in all" in c
+        for c in captions
+    ), captions
+    assert "Requests of replica 1 only." in captions
+    assert _trace_names(at, "ex-timeline") == ["KV cache usage", "preemption", "running", "waiting"]
+    sessions = at.selectbox(key="ex-session-r1")
+    requests = pd.read_parquet(run / "requests.parquet")
+    on_replica = sorted(set(requests.loc[requests["replica"] == 1, "session_id"]))
+    assert sessions.options == [str(s) for s in on_replica]
+    assert sessions.label == f"Session ({len(on_replica)} with a request on replica 1)"
+    assert len(_charts(at)) == 9
+    sessions.set_value(on_replica[-1]).run()
     assert not at.exception, at.exception
     assert "Time per phase" in " ".join(_texts(at.caption))
 
@@ -198,6 +280,24 @@ def test_compare(runs_env: Path) -> None:
         (row["value"] - row["reference"]) / abs(row["reference"]) * 100
     )
     assert len(_charts(at)) == 5  # 3 CDFs + KV usage + running
+
+
+def test_compare_a_fleet_run_with_one_engine(
+    small_runs: Path, fleet_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(fleet_run))
+    at = _page(_app(), "compare")
+    at.multiselect(key="cmp-runs").set_value([fleet_run / "fleet-small"]).run()
+    at.text_input(key="cmp-paths").set_value(str(small_runs / "priority-small")).run()
+    assert not at.exception, at.exception
+    assert not at.error, _texts(at.error)
+    assert _texts(at.subheader) == ["Error table", "Latency CDFs", "Timelines"]
+    assert len(_charts(at)) == 5
+    assert any(
+        "sim:fleet-small is a fleet of 2 replicas: its KV usage is their mean and its running "
+        "requests their sum" in c
+        for c in _texts(at.caption)
+    )
 
 
 def test_compare_needs_two_runs(runs_env: Path) -> None:
@@ -288,6 +388,18 @@ def test_what_if_runs_an_uploaded_scenario_with_a_model_config(runs_env: Path) -
     assert not at.exception, at.exception
     assert not at.error, _texts(at.error)
     assert "Result" in _texts(at.subheader)
+
+
+def test_what_if_runs_an_uploaded_fleet_scenario(runs_env: Path) -> None:
+    text = _scenario("Llama-3.1-8B", OPEN_LOOP) + "fleet: {replicas: 2}\n"
+    at = _upload_and_run(_app(), text)
+    assert not at.exception, at.exception
+    assert not at.error, _texts(at.error)
+    assert "Result" in _texts(at.subheader)
+    assert (
+        "a fleet of 2 replicas: KV usage is their mean and requests their sum (save the run "
+        "and open it in the Run explorer for each replica's figures)." in _texts(at.caption)
+    )
 
 
 @pytest.mark.parametrize(
@@ -417,6 +529,26 @@ def test_compare_with_a_broken_run_directory(
     errors = _texts(at.error)
     assert len(errors) <= 1 and all("Traceback" not in e for e in errors), errors
     assert errors or "Error table" in _texts(at.subheader)  # a run that still compares
+
+
+@pytest.mark.parametrize("how", ["fleet-section-wrong-types", "replica-column-text"])
+def test_run_explorer_broken_fleet_run(
+    fleet_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    run = tmp_path / how
+    shutil.copytree(fleet_run / "fleet-small", run)
+    if how == "fleet-section-wrong-types":
+        summary = json.loads((run / "summary.json").read_text())
+        summary["fleet"] = {"replicas": 2, "router": "x", "per_replica": "n/a"}
+        (run / "summary.json").write_text(json.dumps(summary))
+    else:
+        steps = pd.read_parquet(run / "steps.parquet")
+        steps["replica"] = steps["replica"].astype(str)
+        steps.to_parquet(run / "steps.parquet")
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
+    at = _page(_app(), "run_explorer")
+    at.text_input(key="ex-path").set_value(str(run)).run()
+    assert str(run) in _one_error(at)
 
 
 def test_what_if_save_into_an_unwritable_runs_dir(

@@ -189,3 +189,89 @@ def test_an_export_that_cannot_be_written_is_refused_before_the_search(tmp_path:
     assert result.exit_code == 2, result.output
     assert "is not a writable folder" in " ".join(result.output.split())
     assert "searching" not in result.output
+
+
+def replicas_needed(needed: int) -> Callable[[Scenario], dict[str, Any]]:
+    """A fleet that holds with ``needed`` replicas or more; records the routers it saw."""
+
+    def simulate_summary(spec: Scenario) -> dict[str, Any]:
+        assert spec.fleet is not None
+        simulate_summary.routers.append(spec.fleet.router.kind)  # type: ignore[attr-defined]
+        return fake_summary(0.5 if spec.fleet.replicas >= needed else 2.0)
+
+    simulate_summary.routers = []  # type: ignore[attr-defined]
+    return simulate_summary
+
+
+def test_the_fewest_replicas_are_found_by_doubling_then_bisection() -> None:
+    from sim.capacity import find_min_replicas
+
+    spec = load_scenario(BURST)  # no fleet section: starts from one replica, round robin
+    seen: list[float] = []
+    fake = replicas_needed(11)
+    result = find_min_replicas(spec, fake, on_point=lambda p: seen.append(p.load))
+    assert (result.router, result.fewest, result.most_failing) == ("round_robin", 11, 10)
+    assert seen == [1, 2, 4, 8, 16, 12, 10, 11]
+    assert set(fake.routers) == {"round_robin"}  # type: ignore[attr-defined]
+
+
+def test_the_replica_search_halves_from_a_fleet_that_holds_and_takes_the_router_asked() -> None:
+    from sim.capacity import find_min_replicas
+
+    spec = load_scenario(BURST, ["fleet.replicas=16", "fleet.router.kind=least_loaded"])
+    seen: list[float] = []
+    fake = replicas_needed(3)
+    result = find_min_replicas(spec, fake, "session_affinity", lambda p: seen.append(p.load))
+    assert (result.router, result.fewest, result.most_failing) == ("session_affinity", 3, 2)
+    assert seen == [16, 8, 4, 2, 3]
+    assert set(fake.routers) == {"session_affinity"}  # type: ignore[attr-defined]
+    # One replica that already holds: nothing below it to try.
+    single = find_min_replicas(load_scenario(BURST), replicas_needed(1))
+    assert (single.fewest, single.most_failing, len(single.curve)) == (1, None, 1)
+
+
+def test_capacity_replicas_refuses_an_unknown_router_and_a_knob_with_it() -> None:
+    result = runner.invoke(app, ["capacity", str(BURST), "--replicas", "--router", "random"])
+    assert result.exit_code == 2
+    assert "--router 'random': expected one of round_robin" in result.output
+    result = runner.invoke(
+        app, ["capacity", str(BURST), "--replicas", "--knob", "workload.sessions"]
+    )
+    assert result.exit_code == 2
+    assert "give one search" in result.output
+    result = runner.invoke(app, ["capacity", str(BURST), "--router", "round_robin"])
+    assert result.exit_code == 2
+    assert "--router and --max-replicas go with --replicas" in result.output
+
+
+def test_capacity_replicas_checks_the_export_before_searching(tmp_path: Path) -> None:
+    result = runner.invoke(
+        app,
+        ["capacity", str(BURST), "--replicas", "--export-format", "bogus",
+         "--export-out", str(tmp_path / "x")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "searching" not in result.output
+    assert "bogus" in result.output
+
+
+def test_the_replica_search_stops_at_the_request_count_and_keeps_the_view_delay() -> None:
+    from sim.capacity import find_min_replicas
+
+    spec = load_scenario(
+        BURST, ["fleet.replicas=2", "fleet.router.kind=weighted", "fleet.router.view_delay_s=0.5"]
+    )
+    delays: list[float] = []
+
+    def never(spec: Scenario) -> dict[str, Any]:
+        assert spec.fleet is not None
+        delays.append(spec.fleet.router.view_delay_s)
+        return fake_summary(5.0, requests=6, finished=6)  # 6 requests; never within the SLO
+
+    result = find_min_replicas(spec, never, "round_robin")
+    # 2 and 4 replicas fail; 8 is beyond the 6 requests: no use going further.
+    assert (result.fewest, result.most_failing) == (None, 8)
+    assert [p.load for p in result.curve] == [2, 4, 8]
+    assert set(delays) == {0.5}
+    capped = find_min_replicas(spec, never, "round_robin", max_replicas=3)
+    assert [p.load for p in capped.curve] == [2, 3]

@@ -46,3 +46,13 @@ def test_the_cpu_kv_cache_space_holds_kvsims_blocks_in_the_replay_dtype(
     block_bytes = scenario.engine.block_size * scenario.model.kv_bytes_per_token()
     expected = -(-80_000 * block_bytes * widen // GIB) + 1
     assert env["VLLM_CPU_KVCACHE_SPACE"] == str(expected)
+
+
+def test_a_fleet_scenario_is_refused_for_replay_naming_the_field() -> None:
+    from sim.errors import KvsimConfigError
+
+    scenario = load_scenario(
+        SCENARIO_DIR / "validation" / "agentic-multiturn.yaml", ["fleet.replicas=2"]
+    )
+    with pytest.raises(KvsimConfigError, match=r"fleet\.replicas=2: a replay drives one vLLM"):
+        engine_kwargs(scenario, "cpu", "tiny")

@@ -47,6 +47,40 @@ def test_arrival_times_follow_timestamps_unit_and_scale(tmp_path):
     assert [s.request.arrival_time_s for s in sink.submissions] == [0.0, 1.0, 3.0]
 
 
+def test_until_s_replays_a_window_of_the_scaled_trace(tmp_path):
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS)
+    # Scaled arrivals at 0, 1 and 3 s: a window before 3 s keeps the first two.
+    workload = make_trace(path, timestamp_unit="ms", time_scale=2.0, until_s=3.0)
+    assert workload.expected_num_requests() == 2
+    sink = run_workload(workload)
+    assert [s.submit_s for s in sink.submissions] == [0.0, 1.0]
+    with pytest.raises(ValidationError, match="until_s"):
+        make_trace(path, until_s=0)
+
+
+def test_an_empty_window_is_refused_before_running(tmp_path):
+    from sim.errors import KvsimConfigError
+    from sim.scenario import check_runnable, parse_scenario
+
+    path = write_jsonl(
+        tmp_path, [dict(row, timestamp=row["timestamp"] + 9000) for row in MOONCAKE_ROWS]
+    )
+    raw = {
+        "name": "window",
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "workload": {
+            "kind": "trace",
+            "path": str(path),
+            "timestamp_unit": "ms",
+            "hash_block_tokens": HASH,
+            "until_s": 5,
+        },
+    }
+    with pytest.raises(KvsimConfigError, match=r"workload.until_s=5 is before the first row"):
+        check_runnable(parse_scenario(raw, "window.yaml"))
+
+
 def test_same_seed_same_stream(tmp_path):
     workload = make_trace(write_jsonl(tmp_path, MOONCAKE_ROWS))
     assert stream(run_workload(workload, seed=2)) == stream(run_workload(workload, seed=2))
