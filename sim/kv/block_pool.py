@@ -140,6 +140,7 @@ class BlockPool:
         fifo_pos = self._fifo_pos
         head = self._head
         while need:
+            assert head < self._tail, "free count above the queue's live entries"
             # Live entries are at least `need` among the rest: read a chunk, keep its live ones.
             end = min(self._tail, head + need + (need >> 1) + 32)
             chunk = fifo[head:end]
@@ -158,6 +159,7 @@ class BlockPool:
         self._head = head
         self.num_free_blocks -= num_blocks
         if len(parts) == 1:
+            # Possibly a view into the FIFO: the caller reads it before the FIFO changes.
             return parts[0]
         return np.concatenate(parts)
 
@@ -214,9 +216,11 @@ class BlockPool:
         """Pop ``num_blocks`` from the front of the free queue, evicting their cached hashes."""
         if num_blocks > self.num_free_blocks:
             raise ValueError(f"cannot get {num_blocks} free blocks from {self.num_free_blocks}")
+        if num_blocks <= 0:
+            return []
         if num_blocks == 1:
             block_id = self._pop_one()
-            if self.hashed[block_id]:
+            if self.enable_caching and self.hashed[block_id]:
                 self.evict(block_id)
             self.ref_cnt[block_id] = 1
             return [block_id]
@@ -253,8 +257,11 @@ class BlockPool:
         self.evicted_at[block_id] = self.num_evicted_blocks
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Take a reference on prefix-hit blocks, pulling free ones out of the free queue."""
-        if not block_ids:
+        """Take a reference on prefix-hit blocks, pulling free ones out of the free queue.
+
+        The ids are distinct (one request's prefix hits), as in :meth:`free_blocks`: the
+        array updates count a repeated id once."""
+        if not len(block_ids):
             return
         ids = np.asarray(block_ids, dtype=np.int64)
         refs = self.ref_cnt[ids]
@@ -270,7 +277,8 @@ class BlockPool:
         """Drop one reference from each block; blocks reaching 0 return to the free queue.
 
         ``ordered_block_ids`` is in eviction order (first = evicted first): un-hashed blocks
-        are prepended in that order, hashed blocks appended in that order.
+        are prepended in that order, hashed blocks appended in that order. The ids are
+        distinct (one request's block table).
         """
         if not len(ordered_block_ids):
             return
@@ -294,7 +302,8 @@ class BlockPool:
             if hashed.any():
                 self._append(ids[hashed])
                 ids = ids[~hashed]
-        # Prepended one by one in eviction order: the first ends up at the very front.
+        # Pushed in reverse eviction order, so the first ends up at the very front (vLLM's
+        # prepend of the whole list).
         self._push_front(ids[::-1])
 
     def cache_full_blocks(

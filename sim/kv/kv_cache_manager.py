@@ -24,7 +24,7 @@ class _LookupMemo:
 
     __slots__ = ("hit_array", "hits", "max_blocks", "request", "version")
 
-    def __init__(self, request: Request, max_blocks: int, version: int, hits: list[int]):
+    def __init__(self, request: Request, max_blocks: int, version: int, hits: list[int]) -> None:
         self.request = request
         self.max_blocks = max_blocks
         self.version = version

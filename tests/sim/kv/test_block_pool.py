@@ -55,6 +55,8 @@ def test_get_new_blocks_pops_from_the_front() -> None:
     assert refs(pool, first) == [1, 1]
     assert pool.get_new_blocks(3) == [3, 4, 5]
     assert pool.free_block_ids() == [6, 7]
+    assert pool.get_new_blocks(0) == []  # as vLLM: nothing popped
+    assert pool.free_block_ids() == [6, 7]
 
 
 def test_get_new_blocks_beyond_free_raises() -> None:
