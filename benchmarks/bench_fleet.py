@@ -5,8 +5,9 @@
         --set workload.path=../shared/data/mooncake/conversation_trace.jsonl
     python benchmarks/bench_fleet.py --replicas 2 --router round_robin --router session_affinity
 
-Every router runs the same scenario (its replica count, or --replicas) with its default
-settings, one after the other in this process; the table is what the README's fleet
+Every router runs the same scenario (its replica count, or --replicas): the scenario's own
+router as configured, the others with their defaults and its view delay, one after the other
+in this process; the table is what the README's fleet
 section quotes.
 """
 
@@ -19,10 +20,10 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from sim.fleet.config import ROUTER_KINDS
+from sim.fleet.config import ROUTER_KINDS, router_section
 from sim.metrics import ITL, PREEMPTIONS, TTFT
 from sim.runner import simulate
-from sim.scenario import SCENARIO_DIR, load_scenario
+from sim.scenario import SCENARIO_DIR, load_scenario, parse_scenario
 
 DEFAULT = SCENARIO_DIR / "fleet" / "coding-agents-fleet-8b-h100.yaml"
 
@@ -45,17 +46,14 @@ def main() -> None:
     if args.replicas is not None:
         overrides.append(f"fleet.replicas={args.replicas}")
     console = Console(width=160)
+    document = load_scenario(args.scenario, overrides).model_dump(mode="json")
+    if document["fleet"] is None:
+        raise SystemExit(f"{args.scenario}: no fleet section (add --set fleet.replicas=N)")
+    own_router = document["fleet"]["router"]
     table = None
     for kind in args.router or ROUTER_KINDS:
-        scenario = load_scenario(args.scenario, overrides)
-        if scenario.fleet is None:
-            raise SystemExit(f"{args.scenario}: no fleet section (add --set fleet.replicas=N)")
-        # This router with its defaults, as stale as the scenario's router.
-        delay = scenario.fleet.router.view_delay_s
-        scenario = load_scenario(
-            args.scenario,
-            [*overrides, f"fleet.router={{kind: {kind}, view_delay_s: {delay!r}}}"],
-        )
+        document["fleet"]["router"] = router_section(own_router, kind)
+        scenario = parse_scenario(document, f"{args.scenario} ({kind})")
         started = time.perf_counter()
         result = simulate(scenario)
         wall_s = time.perf_counter() - started

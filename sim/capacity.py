@@ -25,7 +25,7 @@ from typing import Any
 
 from sim.config.limits import MAX_SECONDS
 from sim.errors import KvsimConfigError
-from sim.fleet.config import MAX_REPLICAS
+from sim.fleet.config import MAX_REPLICAS, router_section
 from sim.scenario import Scenario, check_runnable, parse_scenario
 from sim.workload.agent_sessions import AgentSessionsWorkload
 from sim.workload.distributions import BurstArrivals
@@ -185,6 +185,29 @@ def knee(curve: list[LoadPoint]) -> float | None:
     return points[best][0] if gaps[best] > 0 else None
 
 
+def _simulate_point(
+    load: float,
+    document: dict[str, Any],
+    source: str,
+    simulate_summary: Callable[[Scenario], dict[str, Any]],
+    points: dict[Any, LoadPoint],
+    on_point: Callable[[LoadPoint], None] | None,
+) -> LoadPoint:
+    """Simulate one point of a search (``document`` set to it) and record it in ``points``;
+    past MAX_SIMULATIONS points, the search gives up."""
+    if len(points) >= MAX_SIMULATIONS:
+        raise KvsimConfigError(
+            f"capacity: no answer within {MAX_SIMULATIONS} simulations; narrow the search"
+        )
+    spec = parse_scenario(document, source)
+    check_runnable(spec)
+    point = load_point(load, simulate_summary(spec))
+    points[load] = point
+    if on_point is not None:
+        on_point(point)
+    return point
+
+
 def find_capacity(
     scenario: Scenario,
     simulate_summary: Callable[[Scenario], dict[str, Any]],
@@ -208,10 +231,6 @@ def find_capacity(
         load = float(round(load)) if knob.integer else load
         if load in points:
             return points[load]
-        if len(points) >= MAX_SIMULATIONS:
-            raise KvsimConfigError(
-                f"capacity: no answer within {MAX_SIMULATIONS} simulations; narrow the search"
-            )
         _set(document, knob.field, int(load) if knob.integer else load)
         if not knob.integer and load < start:
             # A lower rate spreads the same sessions or requests over a longer time: give
@@ -219,13 +238,8 @@ def find_capacity(
             document["limits"]["max_duration_s"] = min(limit_s * start / load, MAX_SECONDS)
         else:
             document["limits"]["max_duration_s"] = limit_s
-        spec = parse_scenario(document, f"{scenario.name} at {knob.field}={load:g}")
-        check_runnable(spec)
-        point = load_point(load, simulate_summary(spec))
-        points[load] = point
-        if on_point is not None:
-            on_point(point)
-        return point
+        source = f"{scenario.name} at {knob.field}={load:g}"
+        return _simulate_point(load, document, source, simulate_summary, points, on_point)
 
     def close(lo: float, hi: float) -> bool:
         return hi - lo <= 1 if knob.integer else hi / lo - 1 <= RATE_TOLERANCE
@@ -308,27 +322,17 @@ def find_min_replicas(
     """
     document = scenario.model_dump(mode="json")
     fleet = document.get("fleet") or {"replicas": 1, "router": {"kind": "round_robin"}}
-    if router is not None and router != fleet["router"]["kind"]:
-        # Another router with its defaults, seeing replicas as stale as the scenario's.
-        delay = fleet["router"].get("view_delay_s", 0.0)
-        fleet["router"] = {"kind": router, "view_delay_s": delay}
+    if router is not None:
+        fleet["router"] = router_section(fleet["router"], router)
     document["fleet"] = fleet
     kind = fleet["router"]["kind"]
     points: dict[int, LoadPoint] = {}
 
     def holds(replicas: int) -> bool:
         if replicas not in points:
-            if len(points) >= MAX_SIMULATIONS:
-                raise KvsimConfigError(
-                    f"capacity: no answer within {MAX_SIMULATIONS} simulations; narrow the search"
-                )
             fleet["replicas"] = replicas
-            spec = parse_scenario(document, f"{scenario.name} on {replicas} replicas ({kind})")
-            check_runnable(spec)
-            point = load_point(replicas, simulate_summary(spec))
-            points[replicas] = point
-            if on_point is not None:
-                on_point(point)
+            source = f"{scenario.name} on {replicas} replicas ({kind})"
+            _simulate_point(replicas, document, source, simulate_summary, points, on_point)
         return points[replicas].holds
 
     max_replicas = min(max_replicas, MAX_REPLICAS)

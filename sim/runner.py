@@ -83,7 +83,7 @@ def _build_replica(
     scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
     recorder = Recorder(engine_cfg.block_size, block_map)
     engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
-    return Replica(index, engine, scheduler, recorder)
+    return Replica(index, engine)
 
 
 def simulate(

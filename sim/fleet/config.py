@@ -160,7 +160,25 @@ RouterConfig = Annotated[
 ]
 
 # The ``kind`` of each router, in the order of the table in sim.fleet.routers.
-ROUTER_KINDS = ("round_robin", "least_loaded", "session_affinity", "prefix_aware", "weighted")
+ROUTER_KINDS: tuple[str, ...] = tuple(
+    model.model_fields["kind"].default
+    for model in (
+        RoundRobinRouter,
+        LeastLoadedRouter,
+        SessionAffinityRouter,
+        PrefixAwareRouter,
+        WeightedRouter,
+    )
+)
+
+
+def router_section(current: dict[str, Any], kind: str) -> dict[str, Any]:
+    """A ``fleet.router`` section (as in a scenario document) for router ``kind``: ``current``
+    itself when it is of that kind, else ``kind`` with its defaults, seeing the replicas as
+    stale as ``current`` does (its ``view_delay_s``), so that routers compare alike."""
+    if current.get("kind") == kind:
+        return current
+    return {"kind": kind, "view_delay_s": current.get("view_delay_s", 0.0)}
 
 
 class FleetConfig(KvsimModel):

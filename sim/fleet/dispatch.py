@@ -31,8 +31,14 @@ class Replica:
 
     index: int
     engine: Engine
-    scheduler: Scheduler
-    recorder: Recorder
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.engine.scheduler
+
+    @property
+    def recorder(self) -> Recorder:
+        return self.engine.recorder
 
 
 class _Reported:

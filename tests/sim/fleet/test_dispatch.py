@@ -16,8 +16,9 @@ from sim.workload.base import RequestMeta
 class FakeEngine:
     """Takes a request and finishes it when the test says so."""
 
-    def __init__(self, env: simpy.Environment) -> None:
+    def __init__(self, env: simpy.Environment, recorder: Recorder) -> None:
         self.env = env
+        self.recorder = recorder
         self.block_size = 16
         self.max_model_len = 4096
         self.done: list[simpy.Event] = []
@@ -57,11 +58,8 @@ def fleet_at(now_s: float, view_delay_s: float) -> tuple[FleetDispatcher, list[F
     env = simpy.Environment(initial_time=now_s)
     # Replica 0: a step ending at 4 s and one ending exactly at 10 s; replica 1: none yet.
     recorders = [recorded([(0.0, 4.0, 2, 1, 0.1), (4.0, 6.0, 3, 0, 0.3)]), recorded([])]
-    engines = [FakeEngine(env), FakeEngine(env)]
-    replicas = [
-        Replica(i, engine, None, recorder)  # type: ignore[arg-type]
-        for i, (engine, recorder) in enumerate(zip(engines, recorders, strict=True))
-    ]
+    engines = [FakeEngine(env, recorder) for recorder in recorders]
+    replicas = [Replica(i, engine) for i, engine in enumerate(engines)]  # type: ignore[arg-type]
     return FleetDispatcher(env, replicas, Fixed(2, 0), view_delay_s), engines
 
 

@@ -12,11 +12,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sim.errors import KvsimConfigError
+from sim.fleet.config import ROUTER_KINDS
 from sim.runner import simulate
 from sim.scenario import parse_scenario, scenario_to_yaml
 from tests.sim.test_fast_path import assert_identical, scenarios
 
-ROUTERS = ["round_robin", "least_loaded", "session_affinity", "prefix_aware", "weighted"]
+ROUTERS = list(ROUTER_KINDS)
 
 
 def agents(**fleet: Any) -> dict[str, Any]:
