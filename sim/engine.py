@@ -72,7 +72,8 @@ class Engine(SinkBase):
         self.scheduler = scheduler
         self.cost_model = cost_model
         self.recorder = recorder
-        self.fast = fast
+        # A what-if memory policy changes what a stretch may assume: step by step only.
+        self.fast = fast and not scheduler.config.what_if_policies()
         # No step of a decode stretch may end after this time (the run's time limit: the
         # step-by-step path never records a step ending past it).
         self.horizon_s = math.inf

@@ -35,8 +35,11 @@ def build_summary(
     null block excluded) is what KV usage is a share of.
     """
     num_finished = int(requests["finish_s"].notna().sum())
+    # Only what-if runs carry the key, so the vLLM-exact engine's summaries stay as they were.
+    what_if = scenario.engine.what_if_policies()
     return {
         **provenance,
+        **({"what_if": what_if} if what_if else {}),
         "scenario": scenario.name,
         "seed": scenario.seed,
         "model": scenario.model.name,

@@ -75,6 +75,17 @@ class EngineConfig(KvsimModel):
         "requests (vLLM's --watermark; 0, its default, disables it).",
     )
 
+    def what_if_policies(self) -> list[str]:
+        """The memory policies this config turns on that vLLM 0.32 does not run as configured
+        (swap preemption, a CPU offload tier, KV retention, a non-paged allocator), each as one
+        line for the outputs; empty for the vLLM-exact engine.
+
+        Results of a run with any of them are what-ifs: ``summary.json`` says so under
+        ``what_if``, and the engine runs every step through the scheduler (the decode-stretch
+        fast path is proven exact only for the vLLM-exact engine).
+        """
+        return []
+
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
