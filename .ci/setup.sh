@@ -34,4 +34,4 @@ if [ "${1:-}" = "--with-vllm" ]; then
   fi
 fi
 
-"${PIP[@]}" install -e ".[test,tune,ray,calibrate]"
+"${PIP[@]}" install -e ".[test,tune,ray,calibrate,report]"

@@ -83,7 +83,8 @@ class CapacityResult:
         }
 
 
-def _get(document: dict[str, Any], path: str) -> Any:
+def get_field(document: dict[str, Any], path: str) -> Any:
+    """The value at a dotted path of a scenario document (KeyError when absent)."""
     node: Any = document
     for key in path.split("."):
         node = node[key]
@@ -105,7 +106,7 @@ def knob_for(scenario: Scenario, field: str) -> Knob:
     if default is not None and default.field == field:
         return default
     try:
-        value = _get(scenario.model_dump(mode="json"), field)
+        value = get_field(scenario.model_dump(mode="json"), field)
     except (KeyError, TypeError):
         raise KvsimConfigError(f"--knob {field}: not a field of this scenario") from None
     if isinstance(value, bool) or not isinstance(value, int | float):
@@ -221,7 +222,7 @@ def find_capacity(
     assert knob is not None  # default_knob is strict here
     document = scenario.model_dump(mode="json")
     try:
-        start = float(_get(document, knob.field))
+        start = float(get_field(document, knob.field))
     except (KeyError, TypeError):
         raise KvsimConfigError(f"--knob {knob.field}: not a field of this scenario") from None
     points: dict[float, LoadPoint] = {}

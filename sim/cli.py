@@ -176,8 +176,15 @@ def _register_validation_commands() -> None:
     app.command("compare")(commands.compare_cmd)
 
 
+def _register_report_commands() -> None:
+    from sim.claims.cli import report_app
+
+    app.add_typer(report_app, name="report")
+
+
 _register_validation_commands()
 _register_rollout_commands()
+_register_report_commands()
 
 
 def main() -> None:  # pragma: no cover - console entry point

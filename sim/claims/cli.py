@@ -1,0 +1,73 @@
+"""``kvsim report claims``: the claims report (registered on the ``kvsim`` app by sim.cli)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
+
+from sim.console import console, err_console, fail
+from sim.errors import KvsimConfigError
+
+report_app = typer.Typer(
+    help="Reports that run many simulations and write Markdown.", no_args_is_help=True
+)
+
+
+@report_app.command("claims")
+def claims(
+    out: Annotated[
+        Path, typer.Option(help="Folder for claims.md, its PNG plots and claims.json (new).")
+    ],
+    scenario: Annotated[
+        Path | None,
+        typer.Option(help="Agent scenario with SLOs (default: the shipped claims scenario)."),
+    ] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Worker processes (default: every local core).")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Measure public claims about KV memory policies (waste, agents per GPU, utilization,
+    recompute vs swap) on one agent scenario; write a Markdown report with PNG plots."""
+    from sim.claims.render import check_png_export, write_report
+    from sim.claims.study import Task, run_study
+    from sim.scenario import SCENARIO_DIR
+    from sim.sweep import default_workers
+
+    source = scenario or SCENARIO_DIR / "claims" / "agents-8b-h100.yaml"
+    try:
+        if out.exists():
+            raise KvsimConfigError(f"--out {out}: already exists; kvsim never overwrites")
+        if not out.parent.is_dir():
+            raise KvsimConfigError(f"--out {out}: the folder {out.parent} does not exist")
+        check_png_export(out.parent)
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=err_console,
+            disable=quiet or not err_console.is_terminal,
+        ) as bar:
+            task = bar.add_task("claims: simulations", total=None)
+
+            def done(item: Task, result: dict[str, Any]) -> None:
+                what = f"{item.group}/{item.key}"
+                if "error" in result:
+                    err_console.print(f"  {what}: {result['error']}", highlight=False)
+                bar.update(task, advance=1, description=f"claims: {what} done")
+
+            study = run_study(source, workers or default_workers(), done)
+        report = write_report(study, out)
+    except (KvsimConfigError, ValueError) as exc:
+        raise fail(str(exc)) from None
+    console.print(f"report: {report}", highlight=False)

@@ -1,0 +1,188 @@
+"""The simulations behind ``kvsim report claims``, run in parallel worker processes.
+
+Two phases. First, one capacity search per memory policy (:data:`SESSION_VARIANTS`): the
+highest session arrival rate whose every request finishes within the SLOs, and the agent
+sessions in flight at once at that rate. Then, at loads relative to vLLM's own capacity:
+
+- *utilization*: vLLM at 0.5x-1.5x its capacity, for the steady-state KV usage each load
+  reaches and the preemptions it costs;
+- *pressure*: every policy at 1.5x vLLM's capacity, plus the same load on a KV cache
+  :data:`AMPLE_FACTOR` times larger (nothing is ever evicted or preempted): the prefill
+  tokens a policy computes beyond the ample run's are context computed again (prefixes
+  evicted during tool waits, recompute after preemption);
+- *waste*: each allocator (:data:`ALLOCATOR_VARIANTS`) at vLLM's capacity, for the KV
+  memory waste breakdown.
+
+Every simulation is the shipped scenario plus ``--set`` overrides, deterministic in its
+seed, so the report does not depend on the number of workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from sim.capacity import default_knob, find_capacity, get_field
+from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
+from sim.config.limits import MAX_NUM_GPU_BLOCKS, MAX_SECONDS
+from sim.errors import KvsimConfigError
+from sim.scenario import Scenario, check_runnable, load_scenario
+from sim.sweep import die_with_parent
+
+UTILIZATION_LOADS = (0.5, 0.75, 1.0, 1.25, 1.5)
+PRESSURE_LOAD = 1.5
+AMPLE_FACTOR = 8
+
+
+@dataclass
+class Task:
+    """One unit of work for a worker: a capacity search or one simulation."""
+
+    kind: str  # capacity | run
+    group: str  # sessions | utilization | pressure | waste
+    key: str
+    overrides: tuple[str, ...]
+
+
+@dataclass
+class Study:
+    scenario: Scenario
+    knob_field: str
+    capacity: dict[str, dict[str, Any]] = field(default_factory=dict)  # variant -> result
+    runs: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # (group, key)
+    base_rate: float | None = None  # vLLM's capacity, the loads of phase two are relative to
+
+
+def capacity_task(path: str, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """A capacity search of the scenario with ``overrides`` (worker side)."""
+    from sim.runner import simulate
+
+    try:
+        spec = load_scenario(Path(path), list(overrides))
+        check_runnable(spec, path)
+        result = find_capacity(spec, lambda s: simulate(s).summary)
+    except KvsimConfigError as exc:
+        return {"error": str(exc)}
+    return result.to_json()
+
+
+def run_task(path: str, overrides: tuple[str, ...]) -> dict[str, Any]:
+    """One simulation (worker side): its summary and the engine's busy time."""
+    from sim.runner import simulate
+
+    try:
+        spec = load_scenario(Path(path), list(overrides))
+        check_runnable(spec, path)
+        result = simulate(spec)
+    except KvsimConfigError as exc:
+        return {"error": str(exc)}
+    steps = result.steps
+    return {
+        "summary": result.summary,
+        "busy_s": float(steps["duration_s"].sum()) if len(steps) else 0.0,
+        "prefill_tokens": int(steps["num_prefill_tokens"].sum()) if len(steps) else 0,
+        "num_steps": len(steps),
+    }
+
+
+def _run_tasks(
+    path: Path,
+    tasks: list[Task],
+    workers: int,
+    on_done: Callable[[Task, dict[str, Any]], None],
+) -> dict[tuple[str, str], dict[str, Any]]:
+    results: dict[tuple[str, str], dict[str, Any]] = {}
+    pool = ProcessPoolExecutor(
+        max_workers=max(1, min(workers, len(tasks))), initializer=die_with_parent
+    )
+    futures: dict[Future[dict[str, Any]], Task] = {}
+    try:
+        for task in tasks:
+            fn = capacity_task if task.kind == "capacity" else run_task
+            futures[pool.submit(fn, str(path), task.overrides)] = task
+        while futures:
+            done, _ = wait(futures, return_when=FIRST_COMPLETED)
+            for future in done:
+                task = futures.pop(future)
+                results[(task.group, task.key)] = future.result()
+                on_done(task, results[(task.group, task.key)])
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        for process in list((getattr(pool, "_processes", None) or {}).values()):
+            process.terminate()
+        raise
+    pool.shutdown(wait=True)
+    return results
+
+
+def _at(study: Study, factor: float) -> tuple[str, ...]:
+    """Overrides for ``factor`` x vLLM's capacity; a rate below the scenario's own gets the
+    time limit stretched in proportion, as the capacity search does (the same sessions take
+    longer to arrive)."""
+    assert study.base_rate is not None
+    rate = study.base_rate * factor
+    own = float(get_field(study.scenario.model_dump(mode="json"), study.knob_field))
+    limit_s = study.scenario.limits.max_duration_s
+    if rate < own:
+        limit_s = min(limit_s * own / rate, MAX_SECONDS)
+    return (f"{study.knob_field}={rate:.6g}", f"limits.max_duration_s={limit_s:.6g}")
+
+
+def plan_first_phase(variants: tuple[Variant, ...] = SESSION_VARIANTS) -> list[Task]:
+    return [Task("capacity", "sessions", v.key, v.overrides) for v in variants if v.available()]
+
+
+def plan_second_phase(study: Study, ample_blocks: int) -> list[Task]:
+    """The utilization, pressure and waste runs, at loads relative to ``study.base_rate``."""
+    tasks = [Task("run", "utilization", f"{f:g}", _at(study, f)) for f in UTILIZATION_LOADS]
+    pressure = _at(study, PRESSURE_LOAD)
+    tasks += [
+        Task("run", "pressure", v.key, (*v.overrides, *pressure))
+        for v in SESSION_VARIANTS
+        if v.available() and v.key != "static"
+    ]
+    tasks.append(
+        Task(
+            "run",
+            "pressure",
+            "ample",
+            (f"engine.num_gpu_blocks_override={ample_blocks}", *pressure),
+        )
+    )
+    tasks += [
+        Task("run", "waste", v.key, (*v.overrides, *_at(study, 1.0)))
+        for v in ALLOCATOR_VARIANTS
+        if v.available()
+    ]
+    return tasks
+
+
+def run_study(
+    path: Path,
+    workers: int,
+    on_done: Callable[[Task, dict[str, Any]], None] | None = None,
+) -> Study:
+    """Both phases on the scenario at ``path``; raises KvsimConfigError when the scenario
+    cannot be searched (no SLO, no load knob) or vLLM holds no load at all."""
+    scenario = load_scenario(path, [])
+    sizing = check_runnable(scenario, str(path))
+    if not scenario.slos.model_dump(exclude_none=True):
+        raise KvsimConfigError(f"{path}: the claims report needs SLOs (slos: ttft_p99_s, ...)")
+    knob = default_knob(scenario)
+    study = Study(scenario, knob.field)
+    report = on_done or (lambda task, result: None)
+    first = _run_tasks(path, plan_first_phase(), workers, report)
+    study.capacity = {key: result for (_, key), result in first.items()}
+    vllm = study.capacity["vllm"]
+    if "error" in vllm or vllm.get("capacity") is None:
+        raise KvsimConfigError(
+            f"{path}: vLLM holds no load of this scenario within its SLOs "
+            f"({vllm.get('error', 'no capacity')}); lighten the scenario or relax the SLOs"
+        )
+    study.base_rate = float(vllm["capacity"])
+    ample = min(sizing.num_gpu_blocks * AMPLE_FACTOR, MAX_NUM_GPU_BLOCKS)
+    study.runs = _run_tasks(path, plan_second_phase(study, ample), workers, report)
+    return study

@@ -1,0 +1,187 @@
+"""`kvsim report claims`: the study's plan, the report's tables, the command end to end."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.capacity import find_capacity
+from sim.claims import render
+from sim.claims.render import pressure_rows, render_markdown, sessions_rows
+from sim.claims.study import (
+    AMPLE_FACTOR,
+    PRESSURE_LOAD,
+    UTILIZATION_LOADS,
+    Study,
+    plan_first_phase,
+    plan_second_phase,
+)
+from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
+from sim.cli import app
+from sim.errors import KvsimConfigError
+from sim.runner import simulate
+from sim.scenario import load_scenario
+
+runner = CliRunner()
+TINY = Path(__file__).parent / "tiny-claims.yaml"
+RATE = "workload.session_arrival.rate_per_s"
+
+
+def tiny_study(base_rate: float = 2.0) -> Study:
+    return Study(load_scenario(TINY, []), RATE, base_rate=base_rate)
+
+
+def test_a_variant_needs_its_engine_field() -> None:
+    assert Variant("x", "x", ()).available()
+    missing = Variant("y", "y", ("engine.no_such=1",), requires="no_such_field", vllm_exact=False)
+    assert not missing.available()
+    assert missing.missing_reason() == "not simulated: this kvsim has no engine.no_such_field yet"
+    # Only what exists is searched.
+    keys = [t.key for t in plan_first_phase()]
+    assert keys == [v.key for v in SESSION_VARIANTS if v.available()]
+    assert "vllm" in keys and "vllm_priority" in keys
+
+
+def test_second_phase_loads_are_relative_to_vllms_capacity() -> None:
+    study = tiny_study(base_rate=2.0)  # the scenario's own rate is 1.0/s, limit 600 s
+    tasks = {(t.group, t.key): t for t in plan_second_phase(study, ample_blocks=3200)}
+    assert [k for g, k in tasks if g == "utilization"] == [f"{f:g}" for f in UTILIZATION_LOADS]
+    # 0.25x would be below the scenario's rate: its time limit stretches in proportion.
+    assert tasks[("utilization", "0.5")].overrides == (f"{RATE}=1", "limits.max_duration_s=600")
+    assert tasks[("utilization", "1.5")].overrides == (f"{RATE}=3", "limits.max_duration_s=600")
+    pressure = (f"{RATE}={2.0 * PRESSURE_LOAD:g}", "limits.max_duration_s=600")
+    assert tasks[("pressure", "ample")].overrides == (
+        "engine.num_gpu_blocks_override=3200",
+        *pressure,
+    )
+    assert tasks[("pressure", "vllm_priority")].overrides == (
+        "engine.scheduling_policy=priority",
+        *pressure,
+    )
+    assert ("pressure", "static") not in tasks  # static allocation never preempts
+    waste = [k for g, k in tasks if g == "waste"]
+    assert waste == [v.key for v in ALLOCATOR_VARIANTS if v.available()]
+
+    slow = plan_second_phase(tiny_study(base_rate=1.0), ample_blocks=3200)
+    half = next(t for t in slow if (t.group, t.key) == ("utilization", "0.5"))
+    assert half.overrides == (f"{RATE}=0.5", "limits.max_duration_s=1200")
+
+
+def point(load: float, sessions: int, ttft: float) -> dict[str, Any]:
+    return {
+        "load": load,
+        "peak_concurrent_sessions": sessions,
+        "ttft_p99_s": ttft,
+        "itl_p99_s": 0.05,
+        "preemptions": 3,
+    }
+
+
+def run(prefill: int, busy: float, hit: float = 0.5) -> dict[str, Any]:
+    metrics = {
+        "vllm:time_to_first_token_seconds": {"p99": 1.5},
+        "vllm:num_preemptions": {"total": 2},
+        "vllm:kv_cache_usage_perc": {"mean": 0.9, "p95": 0.99},
+        "prefix_cache_hit_rate": hit,
+    }
+    summary = {"metrics": metrics, "duration_s": 120.0, "slos": {"ttft_p99_s": {"pass": False}}}
+    return {"summary": summary, "busy_s": busy, "prefill_tokens": prefill, "num_steps": 10}
+
+
+def test_tables_come_from_the_study() -> None:
+    study = tiny_study(base_rate=2.0)
+    study.capacity = {
+        "vllm": {
+            "capacity": 2.0,
+            "simulations": 7,
+            "curve": [point(1.0, 9, 0.1), point(2.0, 13, 0.4)],
+        },
+        "vllm_priority": {"error": "capacity: the SLOs hold at no load tried"},
+    }
+    study.runs = {
+        ("pressure", "ample"): run(prefill=6_000, busy=40.0, hit=0.8),
+        ("pressure", "vllm"): run(prefill=10_000, busy=50.0),
+        ("utilization", "1.5"): run(prefill=1, busy=1.0),
+    }
+    rows = {r["variant"].key: r for r in sessions_rows(study)}
+    assert rows["vllm"]["point"]["peak_concurrent_sessions"] == 13
+    assert rows["vllm_priority"]["note"] == "capacity: the SLOs hold at no load tried"
+    pressure = {r["variant"].key: r for r in pressure_rows(study)}
+    assert pressure["vllm"]["recomputed"] == pytest.approx(0.4)  # 4,000 of 10,000
+    assert pressure["vllm"]["busy_gap"] == pytest.approx(0.2)  # 1 - 40 / 50
+    assert pressure["vllm_priority"]["note"] == "not run"
+
+    text = render_markdown(study)
+    assert "| vLLM 0.32: paged, prefix caching, recompute | vLLM-exact | 2 | 13 | 0.4 |" in text
+    assert f"| reference: KV cache x{AMPLE_FACTOR} (vLLM) | vLLM-exact | 6,000 |" in text
+    assert "| 10,000 | 40.0% | 50 | 20.0% | 50.0% | 2 |" in text
+    assert "| 1.5x | 90.0% | 99.0% | 2 | 1 | 1.5 | no |" in text
+    assert "| 0.5x | - |" in text  # a load that did not run says so
+    for variant in SESSION_VARIANTS:
+        if not variant.available():
+            assert variant.missing_reason() in text
+
+
+def test_the_report_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "claims"
+    result = runner.invoke(
+        app, ["report", "claims", "--scenario", str(TINY), "--out", str(out), "--workers", "2"]
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == [
+        "claims.json",
+        "claims.md",
+        "sessions.png",
+        "utilization.png",
+    ]
+    for png in ("sessions.png", "utilization.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # vLLM's row is what a capacity search of the same scenario finds on its own.
+    direct = find_capacity(load_scenario(TINY, []), lambda s: simulate(s).summary)
+    raw = json.loads((out / "claims.json").read_text())
+    assert raw["base_rate"] == direct.capacity
+    assert raw["capacity"]["vllm"] == json.loads(json.dumps(direct.to_json()))
+    at_capacity = next(p for p in direct.curve if p.load == direct.capacity)
+    text = (out / "claims.md").read_text()
+    assert (
+        f"| vLLM 0.32: paged, prefix caching, recompute | vLLM-exact | {direct.capacity:.4g} | "
+        f"{at_capacity.peak_concurrent_sessions} |"
+    ) in text
+    assert not out.with_name("claims.partial").exists()
+
+
+def test_bad_invocations_fail_before_simulating(tmp_path: Path) -> None:
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    result = runner.invoke(app, ["report", "claims", "--scenario", str(TINY), "--out", str(taken)])
+    assert result.exit_code == 2
+    assert "already exists" in result.output
+    nowhere = tmp_path / "no" / "such"
+    result = runner.invoke(
+        app, ["report", "claims", "--scenario", str(TINY), "--out", str(nowhere)]
+    )
+    assert result.exit_code == 2
+    assert "does not exist" in result.output
+    no_slos = tmp_path / "no-slos.yaml"
+    no_slos.write_text(TINY.read_text().split("slos:")[0])
+    result = runner.invoke(
+        app, ["report", "claims", "--scenario", str(no_slos), "--out", str(tmp_path / "r")]
+    )
+    assert result.exit_code == 2
+    assert "needs SLOs" in result.output
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_png_that_cannot_be_written_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_export(self: object, path: object) -> None:
+        raise ValueError("Image export requires the Kaleido package")
+
+    monkeypatch.setattr(render.go.Figure, "write_image", no_export)
+    with pytest.raises(KvsimConfigError, match="need kaleido, the report extra"):
+        render.check_png_export(tmp_path)
