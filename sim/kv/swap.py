@@ -20,7 +20,9 @@ What kvsim does differently from V0, on purpose:
   blocks up in the prefix cache, as V0's prefix-caching allocator did when it re-allocated
   full blocks on swap-in: the leading ones still cached in HBM (a shared system prompt,
   its own blocks not yet evicted) are reused and not copied; the rest get fresh blocks and
-  are copied back. V0 still copied the hits (identical content); kvsim does not charge them.
+  are copied back. V0 reused any full block still cached (kvsim: the leading run, as a
+  prefix lookup stops at the first miss) and still copied the hits (identical content, its
+  swap mapping listed every block); kvsim does not charge them.
 - Every computed block is copied out, those shared with other requests (prefix hits)
   included: the CPU copy is the request's own (V0's CPU allocator deduplicated full blocks
   by hash; kvsim's CPU pool does not, so it fills a little sooner).
