@@ -20,6 +20,12 @@ finishing requests of its last step freed in running order, and one SimPy timeou
 exact end time the step-by-step path reaches. ``Engine(..., fast=False)`` runs every step
 through :meth:`Scheduler.schedule`, the reference the fast path is tested against
 (``tests/sim/test_fast_path.py``): both give identical step and request tables.
+
+Swap preemption (a what-if, ``engine.preemption_mode=swap``): a step that copies KV blocks
+between HBM and the CPU swap pool lasts the model's time plus the copies' time (the cost
+model's ``kv_transfer_time_s``: bytes over PCIe bandwidth x its transfer efficiency, swap-outs
+and swap-ins one after the other), as vLLM V0's worker ran ``swap_in``/``swap_out`` before
+the forward pass of the same step. What-if runs take no decode stretches.
 """
 
 from __future__ import annotations
@@ -44,6 +50,8 @@ class StepCost(Protocol):
     def step_time_s(
         self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
     ) -> float: ...
+
+    def kv_transfer_time_s(self, num_blocks: int, bytes_per_block: int) -> float: ...
 
 
 def delay_to(now_s: float, target_s: float) -> float | None:
@@ -74,6 +82,8 @@ class Engine(SinkBase):
         self.recorder = recorder
         # A what-if memory policy changes what a stretch may assume: step by step only.
         self.fast = fast and not scheduler.config.what_if_policies()
+        if scheduler.swapper is not None:
+            recorder.add_swap_columns()
         # No step of a decode stretch may end after this time (the run's time limit: the
         # step-by-step path never records a step ending past it).
         self.horizon_s = math.inf
@@ -138,6 +148,12 @@ class Engine(SinkBase):
             elif since_prefill >= 0:
                 since_prefill += 1
             duration_s = step_time_s(output.shape, after_idle, since_prefill)
+            swap = output.swap
+            if swap is not None and swap.num_blocks_moved:
+                swap.transfer_s = self.cost_model.kv_transfer_time_s(
+                    swap.num_blocks_moved, swap.bytes_per_block
+                )
+                duration_s += swap.transfer_s
             after_idle = False
             yield env.timeout(duration_s)
             update = scheduler.update_from_output(output)

@@ -145,6 +145,40 @@ def by_priority_class(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
     return out
 
 
+def swap_summary(steps: pd.DataFrame, duration_s: float) -> dict[str, Any]:
+    """The ``swap`` section of a swap-preemption run (its step table has the swap columns):
+    blocks, bytes and requests moved each way, swap-outs per minute, seconds spent copying
+    (and their share of the run), and victims that fell back to recompute."""
+    minutes = duration_s / 60.0 if duration_s > 0 else math.nan
+
+    def total(name: str) -> int:
+        return int(steps[name].sum()) if not steps.empty else 0
+
+    transfer_s = float(steps["swap_transfer_s"].sum()) if not steps.empty else 0.0
+    num_swap_outs = total("num_swap_outs")
+    return {
+        "swap_out_blocks": total("swap_out_blocks"),
+        "swap_in_blocks": total("swap_in_blocks"),
+        "swap_in_reused_blocks": total("swap_in_reused_blocks"),
+        "swap_out_bytes": total("swap_out_bytes"),
+        "swap_in_bytes": total("swap_in_bytes"),
+        "num_swap_outs": num_swap_outs,
+        "num_swap_ins": total("num_swap_ins"),
+        "swap_outs_per_minute": _clean(num_swap_outs / minutes),
+        "swap_ins_per_minute": _clean(total("num_swap_ins") / minutes),
+        "transfer_time_s": transfer_s,
+        "transfer_time_frac": _clean(transfer_s / duration_s) if duration_s > 0 else None,
+        "steps_with_transfers": int((steps["swap_transfer_s"] > 0).sum()) if not steps.empty else 0,
+        "recompute_fallbacks": total("num_swap_fallbacks"),
+        "peak_requests_swapped": _peak(steps, "num_requests_swapped"),
+    }
+
+
+def _peak(steps: pd.DataFrame, name: str) -> int:
+    """Largest value of a step column (0 for no steps)."""
+    return int(steps[name].max()) if not steps.empty else 0
+
+
 def summarize(
     requests: pd.DataFrame,
     steps: pd.DataFrame,

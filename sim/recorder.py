@@ -22,7 +22,14 @@ import pandas as pd
 from sim.block_map import BlockMapRecorder
 from sim.request import Request
 from sim.scheduler.output import SchedulerOutput, StepUpdate
-from sim.step_record import STEP_RECORD_COLUMNS, StepRecord, kv_unused_slots, step_record
+from sim.step_record import (
+    STEP_RECORD_COLUMNS,
+    SWAP_STEP_COLUMNS,
+    StepRecord,
+    kv_unused_slots,
+    step_record,
+    swap_step_values,
+)
 from sim.workload.base import RequestMeta
 
 if TYPE_CHECKING:
@@ -75,6 +82,16 @@ class Recorder:
         self.requests: dict[str, RequestRecord] = {}
         self._order: list[RequestRecord] = []
         self.steps: dict[str, array] = {name: array(STEP_TYPECODES[name]) for name in STEP_COLUMNS}
+        # The StepRecord columns, in order (swap runs add more after them).
+        self._record_columns = list(self.steps.values())
+        self._swap_columns: list[array] = []
+
+    def add_swap_columns(self) -> None:
+        """Give the step table the swap-preemption columns (before the first step)."""
+        assert not len(self.steps["step"]) and not self._swap_columns
+        for name in SWAP_STEP_COLUMNS:
+            self.steps[name] = array("d" if name == "swap_transfer_s" else "q")
+            self._swap_columns.append(self.steps[name])
 
     def on_arrival(self, request: Request, meta: RequestMeta, now_s: float) -> None:
         record = RequestRecord(request, meta, now_s)
@@ -97,7 +114,7 @@ class Recorder:
 
     def add_record(self, record: StepRecord) -> None:
         """Append one row to the step table (its fields are STEP_COLUMNS, in order)."""
-        for column, value in zip(self.steps.values(), record, strict=True):
+        for column, value in zip(self._record_columns, record, strict=True):
             column.append(value)
 
     def on_step(
@@ -126,6 +143,12 @@ class Recorder:
             sum(map(_num_computed_tokens, running)),
         )
         self.add_record(step_record(output.step, output, start_s, end_s, unused))
+        if self._swap_columns:
+            assert output.swap is not None
+            for column, value in zip(
+                self._swap_columns, swap_step_values(output.swap), strict=True
+            ):
+                column.append(value)
         if self.block_map is not None:
             self.block_map.maybe_snapshot(output.step, end_s, scheduler, self._class_of)
 
@@ -148,6 +171,7 @@ class Recorder:
         request of ``running`` (the batch, in order) decoded one token, the rows
         :meth:`on_step` would have written one step at a time. ``finished`` finished in
         the last step; ``scheduler`` is in its state after that step."""
+        assert not self._swap_columns, "a swap-preemption run takes no decode stretches"
         num_steps = len(starts)
         num_running = len(running)
         block_size = self.block_size
@@ -239,7 +263,7 @@ class Recorder:
     def steps_frame(self) -> pd.DataFrame:
         """One row per engine step (int64 and float64 columns, as in ``steps.parquet``)."""
         if not len(self.steps["step"]):
-            return pd.DataFrame({name: [] for name in STEP_COLUMNS})
+            return pd.DataFrame({name: [] for name in self.steps})
         return pd.DataFrame(
             {
                 name: np.frombuffer(

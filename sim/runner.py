@@ -80,7 +80,7 @@ def _build_replica(
     """One engine on the run's clock (a fleet has several; they share the cost model, which
     holds no state)."""
     engine_cfg = scenario.engine
-    scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
+    scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks, sizing.bytes_per_block)
     recorder = Recorder(engine_cfg.block_size, block_map)
     engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
     return Replica(index, engine)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from sim.kv.swap import SwapStep
 from sim.scheduler.output import BatchShape, SchedulerOutput
 
 if TYPE_CHECKING:
@@ -137,6 +138,40 @@ def step_record(
         prefix_cache_hits=output.num_prefix_hit_tokens,
         resumed_prefix_cache_hits=output.num_resumed_prefix_hit_tokens,
         kv_unused_slots=kv_unused_slots,
+    )
+
+
+# Extra step columns of a swap-preemption run (engine.preemption_mode=swap) only, so the
+# vLLM-exact engine's steps.parquet keeps its columns. Bytes are one GPU's (per-GPU blocks).
+SWAP_STEP_COLUMNS: tuple[str, ...] = (
+    "swap_out_blocks",  # GPU -> CPU copies this step
+    "swap_in_blocks",  # CPU -> GPU copies this step
+    "swap_in_reused_blocks",  # swapped blocks found still cached in HBM (not copied)
+    "swap_out_bytes",
+    "swap_in_bytes",
+    "swap_transfer_s",  # part of duration_s spent copying (float)
+    "num_swap_outs",  # requests preempted by swap this step
+    "num_swap_ins",  # requests resumed from the SWAPPED queue this step
+    "num_swap_fallbacks",  # victims preempted by recompute because the CPU pool was full
+    "num_requests_swapped",  # requests in the SWAPPED queue after scheduling
+)
+
+
+def swap_step_values(swap: SwapStep) -> tuple[int | float, ...]:
+    """One step's values of :data:`SWAP_STEP_COLUMNS`, in order."""
+    num_out = len(swap.swap_out)
+    num_in = len(swap.swap_in)
+    return (
+        num_out,
+        num_in,
+        swap.reused_blocks,
+        num_out * swap.bytes_per_block,
+        num_in * swap.bytes_per_block,
+        swap.transfer_s,
+        len(swap.swapped_out_ids),
+        len(swap.swapped_in_ids),
+        len(swap.fallback_ids),
+        swap.num_swapped,
     )
 
 

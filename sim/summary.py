@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from sim.metrics import summarize
+from sim.metrics import summarize, swap_summary
 from sim.scenario import Scenario
 
 
@@ -57,5 +57,11 @@ def build_summary(
             num_usable_blocks=num_usable_blocks,
             block_size=kv_cache["block_size"],
             slos=scenario.slos.model_dump(),
+        ),
+        # Swap preemption only (a what-if): the swap columns summed up.
+        **(
+            {"swap": swap_summary(steps, duration_s)}
+            if scenario.engine.preemption_mode == "swap"
+            else {}
         ),
     }

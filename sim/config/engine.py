@@ -19,6 +19,10 @@ from sim.config.limits import (
 )
 
 SchedulingPolicy = Literal["fcfs", "priority"]
+PreemptionMode = Literal["recompute", "swap"]
+
+# Most CPU swap space per GPU kvsim accepts, in GiB (1 PiB: far beyond any host).
+MAX_SWAP_SPACE_GIB = float(1 << 20)
 
 
 class EngineConfig(KvsimModel):
@@ -74,6 +78,21 @@ class EngineConfig(KvsimModel):
         description="Fraction of KV blocks kept free when admitting waiting or preempted "
         "requests (vLLM's --watermark; 0, its default, disables it).",
     )
+    preemption_mode: PreemptionMode = Field(
+        "recompute",
+        description="recompute: a preempted request frees its KV and recomputes it later "
+        "(vLLM 0.32, the only mode V1 has); swap: a what-if with vLLM V0's "
+        "preemption_mode='swap', the victim's KV is copied to a CPU block pool over PCIe and "
+        "copied back when it resumes (needs swap_space_gib).",
+    )
+    swap_space_gib: float | None = Field(
+        None,
+        gt=0.0,
+        le=MAX_SWAP_SPACE_GIB,
+        description="CPU swap space per GPU in GiB for preemption_mode=swap (vLLM V0's "
+        "--swap-space); its KV blocks are this many bytes over the per-GPU block size. "
+        "Must be unset with preemption_mode=recompute.",
+    )
 
     def what_if_policies(self) -> list[str]:
         """The memory policies this config turns on that vLLM 0.32 does not run as configured
@@ -84,7 +103,25 @@ class EngineConfig(KvsimModel):
         ``what_if``, and the engine runs every step through the scheduler (the decode-stretch
         fast path is proven exact only for the vLLM-exact engine).
         """
-        return []
+        policies: list[str] = []
+        if self.preemption_mode == "swap":
+            policies.append("swap preemption (vLLM V0 semantics; vLLM 0.32 preempts by recompute)")
+        return policies
+
+    @model_validator(mode="after")
+    def _check_swap(self) -> EngineConfig:
+        if self.preemption_mode == "swap" and self.swap_space_gib is None:
+            raise ValueError(
+                "engine.swap_space_gib is required with engine.preemption_mode=swap: set the "
+                "CPU swap space per GPU in GiB (vLLM V0's --swap-space, e.g. 4)"
+            )
+        if self.preemption_mode == "recompute" and self.swap_space_gib is not None:
+            raise ValueError(
+                f"engine.swap_space_gib={self.swap_space_gib:g} is set but "
+                "engine.preemption_mode=recompute never swaps: set engine.preemption_mode=swap "
+                "or remove engine.swap_space_gib"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:

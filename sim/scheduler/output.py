@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sim.kv.swap import SwapStep
 from sim.request import Request
 
 
@@ -50,6 +51,8 @@ class SchedulerOutput:
     kv_usage: float = 0.0
     num_running: int = 0
     num_waiting: int = 0
+    # Swap preemption only (engine.preemption_mode=swap): this step's block copies.
+    swap: SwapStep | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

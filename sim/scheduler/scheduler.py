@@ -12,6 +12,18 @@ One call to :meth:`Scheduler.schedule` is one engine step:
    reservation and the watermark. The first failure stops admission (head-of-line).
 3. Every scheduled request advances ``num_computed_tokens`` by its share.
 
+Swap preemption (``engine.preemption_mode=swap``, a what-if, see ``sim/kv/swap.py``) keeps
+this V1 step structure and changes only what preemption does, as vLLM V0's
+``preemption_mode="swap"``: the victim (the same policy's choice) has its computed blocks
+copied to the CPU pool and waits in the SWAPPED queue with its computed tokens kept; a full
+CPU pool falls back to recompute. Between steps 1 and 2, when nobody was preempted this
+step (V0: ``_schedule_swapped`` only runs when ``_schedule_running`` preempted nobody),
+swapped requests resume in queue order while their blocks fit with the watermark (V0's
+``can_swap_in``; as in V1's admission the watermark is waived when nothing else is
+scheduled, so a lone request always resumes) and stop at the first that does not. New
+admissions (step 2) wait until the SWAPPED queue is empty (V0's default scheduler; its
+chunked-prefill scheduler admitted behind a swapped request that did not fit).
+
 :meth:`Scheduler.update_from_output` then plays the model's part: a request whose computed
 tokens reached its length samples its next (planned) token; a request at ``max_tokens`` or
 ``max_model_len`` finishes and frees its blocks. No clock anywhere: the engine owns time.
@@ -21,6 +33,7 @@ from __future__ import annotations
 
 from sim.config.engine import EngineConfig
 from sim.kv.kv_cache_manager import KVCacheManager
+from sim.kv.swap import Swapper, num_cpu_blocks
 from sim.request import Request, RequestStatus
 from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate
 from sim.scheduler.policy import make_policy
@@ -29,7 +42,9 @@ from sim.scheduler.policy import make_policy
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, and who is preempted."""
 
-    def __init__(self, config: EngineConfig, num_gpu_blocks: int) -> None:
+    def __init__(self, config: EngineConfig, num_gpu_blocks: int, bytes_per_block: int = 0) -> None:
+        """``bytes_per_block`` (one GPU's share of a KV block) sizes the CPU swap pool; only
+        swap preemption needs it."""
         self.config = config
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_num_seqs = config.max_num_seqs
@@ -45,6 +60,16 @@ class Scheduler:
         )
         self.policy = make_policy(config.scheduling_policy)
         self.waiting = self.policy.new_waiting_queue()
+        # Swap preemption only: the CPU pool and the SWAPPED queue (in the policy's order).
+        self.swapper: Swapper | None = None
+        self.swapped = self.policy.new_waiting_queue()
+        if config.preemption_mode == "swap":
+            assert config.swap_space_gib is not None  # checked by EngineConfig
+            self.swapper = Swapper(
+                self.kv_cache_manager,
+                num_cpu_blocks(config.swap_space_gib, bytes_per_block),
+                bytes_per_block,
+            )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -53,10 +78,10 @@ class Scheduler:
     # -- queries ------------------------------------------------------------------------------
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting)
+        return len(self.running) + len(self.waiting) + len(self.swapped)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0
+        return bool(self.running) or len(self.waiting) > 0 or len(self.swapped) > 0
 
     # -- transitions --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -72,6 +97,14 @@ class Scheduler:
         self.waiting.add(request)
 
     def _preempt(self, request: Request) -> None:
+        swapper = self.swapper
+        if swapper is not None and swapper.swap_out(request):
+            # Swapped: blocks on CPU, computed tokens kept, resumed from the SWAPPED queue.
+            request.status = RequestStatus.PREEMPTED
+            request.num_preemptions += 1
+            self.swapped.add(request)
+            self.num_preemptions += 1
+            return
         self.kv_cache_manager.free(request)
         request.mark_preempted()
         self.waiting.prepend(request)
@@ -88,7 +121,7 @@ class Scheduler:
         admitted_hit_tokens: list[int] = []
         # vLLM lifts the long-prefill cap when there is nobody else to starve.
         threshold = self.long_prefill_token_threshold
-        if len(running) + len(self.waiting) <= 1:
+        if len(running) + len(self.waiting) + len(self.swapped) <= 1:
             threshold = 0
 
         # 1. RUNNING requests.
@@ -129,9 +162,14 @@ class Scheduler:
             token_budget -= num_new
             req_index += 1
 
-        # 2. WAITING requests, unless this step had to preempt.
+        # 1b. SWAPPED requests (swap preemption only), unless this step had to preempt.
+        swapper = self.swapper
+        if swapper is not None and not preempted and len(self.swapped):
+            token_budget = self._schedule_swapped(token_budget, threshold, num_scheduled)
+
+        # 2. WAITING requests, unless this step had to preempt or a swapped one waits.
         num_query_tokens = num_hit_tokens = num_resumed_hit_tokens = 0
-        if not preempted:
+        if not preempted and not len(self.swapped):
             waiting = self.waiting
             while token_budget > 0 and len(waiting) and len(running) < self.max_num_seqs:
                 request = waiting.peek()
@@ -203,7 +241,60 @@ class Scheduler:
             kv_usage=pool.usage,
             num_running=len(running),
             num_waiting=len(self.waiting),
+            swap=None if swapper is None else swapper.take_step(len(self.swapped)),
         )
+
+    def _schedule_swapped(
+        self, token_budget: int, threshold: int, num_scheduled: dict[str, int]
+    ) -> int:
+        """Resume swapped requests in queue order while they fit (V0's ``_schedule_swapped``
+        on V1's budget): fresh blocks for the kept computed tokens plus this step's tokens,
+        the CPU copies recorded for the engine to time. Returns the budget left."""
+        kv = self.kv_cache_manager
+        swapper = self.swapper
+        assert swapper is not None
+        running = self.running
+        swapped = self.swapped
+        while token_budget > 0 and len(swapped) and len(running) < self.max_num_seqs:
+            request = swapped.peek()
+            num_computed = request.num_computed_tokens
+            num_new = min(
+                len(request.token_ids) - num_computed, self.max_model_len - num_computed - 1
+            )
+            if 0 < threshold < num_new:
+                num_new = threshold
+            if not self.enable_chunked_prefill and num_new > token_budget:
+                break
+            num_new = min(num_new, token_budget)
+            if num_new <= 0:
+                break
+            # Full computed blocks still cached in HBM are reused, not copied (V0's swap-in
+            # allocated full blocks through the prefix cache); the rest get fresh blocks.
+            hits, num_hit = kv.get_computed_blocks(request)
+            if num_hit > num_computed:
+                num_hit = num_computed - num_computed % kv.block_size
+                del hits[num_hit // kv.block_size :]
+            # Allocated as an admission from num_hit: the computed tokens past the hits and
+            # this step's tokens need slots. The request is PREEMPTED, so the watermark
+            # applies when others are scheduled.
+            request.num_computed_tokens = 0
+            new_blocks = kv.allocate_slots(
+                request,
+                num_computed - num_hit + num_new,
+                num_new_computed_tokens=num_hit,
+                new_computed_blocks=hits,
+                has_scheduled_reqs=bool(running),
+            )
+            request.num_computed_tokens = num_computed
+            if new_blocks is None:
+                break
+            swapped.pop()
+            swapper.swap_in(request, len(hits))
+            request.mark_running(num_computed)
+            running.append(request)
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+        return token_budget
 
     def update_from_output(self, output: SchedulerOutput) -> StepUpdate:
         """Apply a finished step: sample tokens, finish and free requests."""
