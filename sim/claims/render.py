@@ -211,7 +211,7 @@ def pressure_section(study: Study) -> list[str]:
             continue
         summary = result["summary"]
         m = summary["metrics"]
-        transfer = (summary.get("swap") or {}).get("transfer_s")
+        transfer = (summary.get("swap") or {}).get("transfer_time_s")
         rows.append(
             [
                 v.label,
