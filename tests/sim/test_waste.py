@@ -3,12 +3,17 @@ allocators, the time weighting, and the opt-in that leaves the default run uncha
 
 from __future__ import annotations
 
+import json
 from array import array
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
 import pytest
+import yaml
+from typer.testing import CliRunner
 
+from sim.cli import app
 from sim.kv.allocators import ContiguousKVManager
 from sim.kv.kv_cache_manager import KVCacheManager
 from sim.kv.waste import (
@@ -203,3 +208,16 @@ def test_a_static_run_always_reports_its_waste() -> None:
     assert waste["reserved_never_used_share"] <= shares["reserved_unused"]
     assert shares["internal_fragmentation"] == 0
     assert result.summary["what_if"][0].startswith("engine.allocator=static")
+
+
+def test_kvsim_run_kv_waste_writes_the_breakdown(tmp_path: Path) -> None:
+    path = tmp_path / "waste.yaml"
+    path.write_text(yaml.safe_dump(scenario()))
+    args = ["run", str(path), "--quiet", "--set", "workload.sessions=2"]
+    plain = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "plain")])
+    tracked = CliRunner().invoke(app, [*args, "--kv-waste", "--out", str(tmp_path / "waste")])
+    assert plain.exit_code == 0, plain.output
+    assert tracked.exit_code == 0, tracked.output
+    assert "kv_waste_breakdown" not in json.loads((tmp_path / "plain" / "summary.json").read_text())
+    summary = json.loads((tmp_path / "waste" / "summary.json").read_text())
+    assert summary["kv_waste_breakdown"]["allocator"] == "paged"
