@@ -38,6 +38,15 @@ def run(
         Path | None, typer.Option(help="Calibration profile JSON from `kvsim calibrate`.")
     ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+    kv_waste: Annotated[
+        bool,
+        typer.Option(
+            "--kv-waste",
+            help="Add the KV waste breakdown (kv_waste_breakdown in summary.json) for the "
+            "paged allocator too (always there for engine.allocator static / orca_*); runs "
+            "every step through the scheduler.",
+        ),
+    ] = False,
 ) -> None:
     """Simulate a scenario; write its run directory and print the summary."""
     from sim.config.calibration import hardware_warning, load_profile
@@ -86,7 +95,7 @@ def run(
                     status=f"sim t={now_s:,.0f} s, {finished:,} requests done",
                 )
 
-            result = simulate(spec, profile, progress)
+            result = simulate(spec, profile, progress, kv_waste=kv_waste)
         wall_s = time.perf_counter() - started
         if result.summary["num_requests"] == 0:
             raise KvsimConfigError(

@@ -22,6 +22,8 @@ from sim.errors import KvsimConfigError
 from sim.fleet.dispatch import FleetDispatcher, Replica
 from sim.fleet.outputs import fleet_requests, fleet_section, fleet_steps
 from sim.fleet.routers import build_router
+from sim.kv.waste import WasteTrackingScheduler, wants_waste_tracking
+from sim.kv.waste import summary_section as waste_section
 from sim.recorder import Recorder
 from sim.results import write_run
 from sim.scenario import Scenario, scenario_to_yaml
@@ -76,13 +78,18 @@ def _build_replica(
     cost_model: CostModel,
     exact_reference: bool,
     block_map: BlockMapRecorder | None,
+    kv_waste: bool = False,
 ) -> Replica:
     """One engine on the run's clock (a fleet has several; they share the cost model, which
     holds no state)."""
     engine_cfg = scenario.engine
-    scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks, sizing.bytes_per_block)
+    waste = wants_waste_tracking(engine_cfg, kv_waste)
+    scheduler = (WasteTrackingScheduler if waste else Scheduler)(
+        engine_cfg, sizing.num_gpu_blocks, sizing.bytes_per_block
+    )
     recorder = Recorder(engine_cfg.block_size, block_map)
-    engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
+    # Waste is sampled in Scheduler.schedule, which decode stretches skip.
+    engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference and not waste)
     return Replica(index, engine)
 
 
@@ -91,6 +98,7 @@ def simulate(
     calibration: CalibrationProfile | None = None,
     progress: ProgressFn | None = None,
     exact_reference: bool = False,
+    kv_waste: bool = False,
 ) -> SimulationResult:
     """Run the scenario to completion (or to its time limit) and summarise it.
 
@@ -98,6 +106,8 @@ def simulate(
     ``PROGRESS_INTERVAL_S`` simulated seconds. ``exact_reference`` runs every step through
     the scheduler, without the engine's decode stretches (see ``sim.engine``): the
     reference the fast path is tested against; results are identical, only slower.
+    ``kv_waste`` adds the KV waste breakdown of the paged allocator to the summary (always
+    there for a contiguous one; see ``sim.kv.waste``).
     """
     sizing = size_for(scenario)
     engine_cfg = scenario.engine
@@ -113,7 +123,14 @@ def simulate(
     block_map = BlockMapRecorder()
     replicas = [
         _build_replica(
-            index, env, scenario, sizing, cost_model, exact_reference, None if index else block_map
+            index,
+            env,
+            scenario,
+            sizing,
+            cost_model,
+            exact_reference,
+            None if index else block_map,
+            kv_waste,
         )
         for index in range(fleet.replicas if fleet is not None else 1)
     ]
@@ -183,6 +200,13 @@ def simulate(
         },
         num_usable_blocks=sizing.num_usable_blocks,
     )
+    waste = waste_section(
+        engine_cfg,
+        [r.scheduler for r in replicas],
+        [r.recorder.steps["duration_s"] for r in replicas],
+    )
+    if waste is not None:
+        summary["kv_waste_breakdown"] = waste
     if fleet is not None:
         summary["fleet"] = fleet_section(fleet, requests, steps, duration_s)
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

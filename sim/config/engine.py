@@ -24,6 +24,19 @@ PreemptionMode = Literal["recompute", "swap"]
 # Most CPU swap space per GPU kvsim accepts, in GiB (1 PiB: far beyond any host).
 MAX_SWAP_SPACE_GIB = float(1 << 20)
 
+AllocatorKind = Literal["paged", "static", "orca_max", "orca_pow2", "orca_oracle"]
+
+# What each non-paged allocator does, one line for the outputs' ``what_if`` list (the
+# allocators themselves: sim/kv/allocators.py).
+ALLOCATOR_DESCRIPTIONS: dict[str, str] = {
+    "static": "static allocation of max_model_len per request (HuggingFace-style)",
+    "orca_max": "Orca-style reservation of max_model_len per request (PagedAttention's Orca (Max))",
+    "orca_pow2": "Orca-style reservation of prompt + next power of two of the output length "
+    "(PagedAttention's Orca (Pow2))",
+    "orca_oracle": "Orca-style reservation of prompt + the true output length "
+    "(PagedAttention's Orca (Oracle))",
+}
+
 
 class EngineConfig(KvsimModel):
     """vLLM engine arguments that the simulated KV cache and scheduler obey."""
@@ -68,6 +81,14 @@ class EngineConfig(KvsimModel):
     enable_prefix_caching: bool = Field(
         True, description="Reuse full KV blocks whose token prefix was seen before."
     )
+    allocator: AllocatorKind = Field(
+        "paged",
+        description="KV allocator: paged (vLLM's block tables, the default); static (a "
+        "contiguous max_model_len region per request, HuggingFace-style); orca_max, orca_pow2, "
+        "orca_oracle (Orca-style contiguous reservation of max_model_len, prompt + next power "
+        "of two of the output length, prompt + the true output length). The contiguous ones "
+        "are what-ifs and run without prefix caching (a region is private to its request).",
+    )
     scheduling_policy: SchedulingPolicy = Field(
         "fcfs", description="fcfs: arrival order; priority: lowest (priority, arrival) first."
     )
@@ -106,6 +127,11 @@ class EngineConfig(KvsimModel):
         policies: list[str] = []
         if self.preemption_mode == "swap":
             policies.append("swap preemption (vLLM V0 semantics; vLLM 0.32 preempts by recompute)")
+        if self.allocator != "paged":
+            line = f"engine.allocator={self.allocator}: {ALLOCATOR_DESCRIPTIONS[self.allocator]}"
+            if self.enable_prefix_caching:
+                line += "; prefix caching off (a contiguous region is private to its request)"
+            policies.append(f"{line}; vLLM 0.32 pages its KV cache")
         return policies
 
     @model_validator(mode="after")

@@ -32,7 +32,7 @@ tokens reached its length samples its next (planned) token; a request at ``max_t
 from __future__ import annotations
 
 from sim.config.engine import EngineConfig
-from sim.kv.kv_cache_manager import KVCacheManager
+from sim.kv.allocators import make_kv_manager
 from sim.kv.swap import Swapper, num_cpu_blocks
 from sim.request import Request, RequestStatus
 from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate
@@ -51,13 +51,7 @@ class Scheduler:
         self.max_model_len = config.max_model_len
         self.long_prefill_token_threshold = config.long_prefill_token_threshold
         self.enable_chunked_prefill = config.enable_chunked_prefill
-        self.kv_cache_manager = KVCacheManager(
-            num_gpu_blocks=num_gpu_blocks,
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            enable_caching=config.enable_prefix_caching,
-            watermark=config.watermark,
-        )
+        self.kv_cache_manager = make_kv_manager(config, num_gpu_blocks)
         self.policy = make_policy(config.scheduling_policy)
         self.waiting = self.policy.new_waiting_queue()
         # Swap preemption only: the CPU pool and the SWAPPED queue (in the policy's order).
