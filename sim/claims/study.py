@@ -69,14 +69,15 @@ def capacity_task(path: str, overrides: tuple[str, ...]) -> dict[str, Any]:
     return result.to_json()
 
 
-def run_task(path: str, overrides: tuple[str, ...]) -> dict[str, Any]:
-    """One simulation (worker side): its summary and the engine's busy time."""
+def run_task(path: str, overrides: tuple[str, ...], kv_waste: bool = False) -> dict[str, Any]:
+    """One simulation (worker side): its summary and the engine's busy time; ``kv_waste``
+    adds the KV waste breakdown (for the paged allocator too)."""
     from sim.runner import simulate
 
     try:
         spec = load_scenario(Path(path), list(overrides))
         check_runnable(spec, path)
-        result = simulate(spec)
+        result = simulate(spec, kv_waste=kv_waste)
     except KvsimConfigError as exc:
         return {"error": str(exc)}
     steps = result.steps
@@ -101,8 +102,11 @@ def _run_tasks(
     futures: dict[Future[dict[str, Any]], Task] = {}
     try:
         for task in tasks:
-            fn = capacity_task if task.kind == "capacity" else run_task
-            futures[pool.submit(fn, str(path), task.overrides)] = task
+            if task.kind == "capacity":
+                future = pool.submit(capacity_task, str(path), task.overrides)
+            else:
+                future = pool.submit(run_task, str(path), task.overrides, task.group == "waste")
+            futures[future] = task
         while futures:
             done, _ = wait(futures, return_when=FIRST_COMPLETED)
             for future in done:

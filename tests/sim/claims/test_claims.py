@@ -151,6 +151,17 @@ def test_the_report_end_to_end(tmp_path: Path) -> None:
         f"| vLLM 0.32: paged, prefix caching, recompute | vLLM-exact | {direct.capacity:.4g} | "
         f"{at_capacity.peak_concurrent_sessions} |"
     ) in text
+    # Every allocator's waste row comes from its own run at vLLM's capacity.
+    for key, label in (("paged", "paged (vLLM)"), ("static", "static: max_model_len per request")):
+        waste = raw["runs"][f"waste/{key}"]["summary"]["kv_waste_breakdown"]
+        assert waste["allocator"] == key
+        assert f"| {label} | " in text
+        assert f"{100 * waste['effective_utilization']:.1f}%" in text
+    paged = raw["runs"]["waste/paged"]["summary"]["kv_waste_breakdown"]
+    static = raw["runs"]["waste/static"]["summary"]["kv_waste_breakdown"]
+    assert paged["effective_utilization"] > static["effective_utilization"]
+    assert "what_if" in raw["runs"]["pressure/swap"]["summary"]
+    assert "what_if" not in raw["runs"]["pressure/vllm"]["summary"]
     assert not out.with_name("claims.partial").exists()
 
 
