@@ -33,6 +33,12 @@ def show_summary(summary: dict[str, Any], key: str) -> None:
             f"The run hit its time limit at {summary.get('duration_s', 0):,.0f} s: "
             f"{summary.get('num_unfinished', 0):,} requests unfinished."
         )
+    if what_if := summary.get("what_if"):
+        st.info(
+            "What-if: this run uses memory policies vLLM 0.32 does not run as configured; its "
+            "results come from kvsim's model of them, not from vLLM's scheduler.\n\n"
+            + "\n".join(f"- {line}" for line in what_if)
+        )
     m = summary.get("metrics", {})
     cols = st.columns(6)
     cols[0].metric("TTFT p99", _latency((m.get(TTFT) or {}).get("p99")))

@@ -34,6 +34,12 @@ class Knob:
     max_value: float | None = None
     step: float | None = None
     help: str | None = None
+    # Set only together with another knob's value: (that knob's path, the values it needs),
+    # e.g. swap_space_gib only with preemption_mode=swap. The override is written whenever
+    # that value is picked and the document does not hold this field yet, and the field is
+    # cleared (null) when another value is picked.
+    only_with: tuple[str, tuple[Any, ...]] | None = None
+    in_document: bool = True
 
 
 def get_path(document: dict[str, Any], path: str, default: Any = None) -> Any:
@@ -53,6 +59,30 @@ def _engine_knob(document: dict[str, Any], name: str, label: str, kind: str, **k
     field = EngineConfig.model_fields[name]
     value = get_path(document, f"engine.{name}", _engine_default(name))
     return Knob(f"engine.{name}", label, kind, value, help=field.description, **kw)
+
+
+# What a newly picked swap space starts at in the form (vLLM V0's --swap-space default was 4).
+SWAP_SPACE_GIB_SHOWN = 4.0
+
+
+def policy_knobs(document: dict[str, Any]) -> list[Knob]:
+    """The memory-policy what-ifs: allocator, preemption mode and the swap space it needs."""
+    allocators = ("paged", "static", "orca_max", "orca_pow2", "orca_oracle")
+    swap_space = get_path(document, "engine.swap_space_gib")
+    return [
+        _engine_knob(document, "allocator", "KV allocator (what-if)", "select", options=allocators),
+        _engine_knob(
+            document, "preemption_mode", "preemption (swap: what-if)", "select",
+            options=("recompute", "swap"),
+        ),
+        Knob(
+            "engine.swap_space_gib", "swap space (GiB)", "float",
+            SWAP_SPACE_GIB_SHOWN if swap_space is None else swap_space,
+            min_value=0.001, step=1.0,
+            help=EngineConfig.model_fields["swap_space_gib"].description,
+            only_with=("engine.preemption_mode", ("swap",)), in_document=swap_space is not None,
+        ),
+    ]  # fmt: skip
 
 
 def _select(value: Any, presets: list[str]) -> tuple[Any, ...]:
@@ -90,6 +120,7 @@ def knobs_for(document: dict[str, Any]) -> list[Knob]:
             options=("fcfs", "priority"),
         ),
     ]  # fmt: skip
+    knobs += policy_knobs(document)
     workload = document.get("workload") or {}
     kind = workload.get("kind") if isinstance(workload, dict) else None
     count, arrival = {
@@ -145,6 +176,16 @@ def build_overrides(knobs: list[Knob], values: dict[str, Any]) -> list[str]:
         if knob.path not in values:
             continue
         value = values[knob.path]
+        if knob.only_with is not None:
+            path, needs = knob.only_with
+            if values.get(path) not in needs:
+                # e.g. no swap space while preempting by recompute: drop the file's value.
+                if knob.in_document:
+                    out.append(f"{knob.path}=null")
+                continue
+            if not knob.in_document:
+                out.append(f"{knob.path}={yaml_value(value)}")
+                continue
         if value != knob.default:
             out.append(f"{knob.path}={yaml_value(value)}")
     return out

@@ -186,6 +186,35 @@ def test_knobs_of_a_shipped_scenario_and_overrides() -> None:
     assert question(text).startswith("How does one H100")
 
 
+def test_policy_knobs_write_the_swap_space_only_with_swap() -> None:
+    import yaml
+
+    document = yaml.safe_load((SCENARIO_DIR / "agent-burst.yaml").read_text())
+    knobs = {k.path: k for k in knobs_for(document)}
+    assert knobs["engine.allocator"].options == (
+        "paged", "static", "orca_max", "orca_pow2", "orca_oracle",
+    )  # fmt: skip
+    values = {path: k.default for path, k in knobs.items()}
+    assert build_overrides(list(knobs.values()), values) == []  # the swap space stays unset
+    values["engine.preemption_mode"] = "swap"
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == ['engine.preemption_mode="swap"', "engine.swap_space_gib=4.0"]
+    scenario = scenario_from(document, overrides, "x.yaml", SCENARIO_DIR)
+    assert scenario.engine.swap_space_gib == 4.0
+    assert scenario.engine.what_if_policies()
+
+    # A file that swaps: back to recompute clears its swap space, or validation refuses it.
+    swapping = scenario.model_dump(mode="json")
+    knobs = {k.path: k for k in knobs_for(swapping)}
+    values = {path: k.default for path, k in knobs.items()}
+    assert build_overrides(list(knobs.values()), values) == []
+    values["engine.preemption_mode"] = "recompute"
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == ['engine.preemption_mode="recompute"', "engine.swap_space_gib=null"]
+    back = scenario_from(swapping, overrides, "x.yaml", SCENARIO_DIR)
+    assert back.engine.swap_space_gib is None and not back.engine.what_if_policies()
+
+
 def test_knobs_of_open_loop_and_burst() -> None:
     open_loop = {"workload": {"kind": "open_loop", "arrival": {"kind": "poisson"}}}
     assert {"workload.num_requests", "workload.arrival.rate_per_s"} <= {
