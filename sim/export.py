@@ -65,8 +65,16 @@ def served_model(scenario: Scenario, model: str | None = None) -> str:
 def engine_args(scenario: Scenario) -> dict[str, Any]:
     """The scenario's engine settings as vLLM ``EngineArgs`` fields (same names, same
     meaning), in a stable order. ``num_gpu_blocks_override`` only when the scenario pins
-    the block count."""
+    the block count. A what-if memory policy (swap, a non-paged allocator, retention) is
+    refused: vLLM 0.32 would run without it and the deployment would not be the simulated
+    one."""
     e = scenario.engine
+    if what_if := e.what_if_policies():
+        raise KvsimConfigError(
+            f"scenario {scenario.name!r}: engine: {'; '.join(what_if)}: vLLM 0.32 has no such "
+            "policy, so an export would deploy a different engine than the one simulated; "
+            "drop the policy to export"
+        )
     args: dict[str, Any] = {
         "block_size": e.block_size,
         "gpu_memory_utilization": e.gpu_memory_utilization,

@@ -15,6 +15,7 @@ from tritonclient.grpc import model_config_pb2
 from typer.testing import CliRunner
 
 from sim.cli import app
+from sim.errors import KvsimConfigError
 from sim.export import engine_args, export, serve_argv, served_model
 from sim.scenario import SCENARIO_DIR, load_scenario
 
@@ -140,3 +141,24 @@ def test_export_never_overwrites_and_a_folder_must_be_a_run(tmp_path: Path) -> N
         export(load_scenario(CODING), "triton", tmp_path)
     code, out = run("export", str(tmp_path))
     assert code == 2 and "without scenario.yaml" in " ".join(out.split())
+
+
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["engine.preemption_mode=swap", "engine.swap_space_gib=4"],
+        ["engine.allocator=static"],
+    ],
+)
+def test_a_what_if_policy_is_not_exported(sets: list[str], tmp_path: Path) -> None:
+    spec = load_scenario(CODING, sets)
+    with pytest.raises(KvsimConfigError, match=r"vLLM 0\.32 has no such policy"):
+        engine_args(spec)
+    out = tmp_path / "serve.sh"
+    args = [f"--set={s}" for s in sets]
+    result = runner.invoke(
+        app, ["export", str(CODING), *args, "--format", "vllm-args", "--out", str(out)]
+    )
+    assert result.exit_code == 2
+    assert "drop the policy to export" in " ".join(result.output.split())
+    assert not out.exists()
