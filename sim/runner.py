@@ -208,5 +208,7 @@ def simulate(
     if waste is not None:
         summary["kv_waste_breakdown"] = waste
     if fleet is not None:
-        summary["fleet"] = fleet_section(fleet, requests, steps, duration_s)
+        summary["fleet"] = fleet_section(
+            fleet, requests, steps, duration_s, bool(engine_cfg.what_if_policies())
+        )
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

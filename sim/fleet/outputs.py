@@ -57,9 +57,14 @@ def _imbalance(values: Sequence[float]) -> float | None:
 
 
 def fleet_section(
-    config: FleetConfig, requests: pd.DataFrame, steps: pd.DataFrame, duration_s: float
+    config: FleetConfig,
+    requests: pd.DataFrame,
+    steps: pd.DataFrame,
+    duration_s: float,
+    engine_what_if: bool = False,
 ) -> dict[str, Any]:
-    """The ``fleet`` section: the router, each replica's figures, and the imbalance."""
+    """The ``fleet`` section: the router, each replica's figures, and the imbalance;
+    ``engine_what_if``: the replicas run a what-if memory policy (the summary's ``what_if``)."""
     per_replica = []
     for index in range(config.replicas):
         reqs = requests[requests[REPLICA] == index]
@@ -82,7 +87,12 @@ def fleet_section(
             }
         )
     return {
-        "what_if": "replicas behind a simulated router; each replica is the vLLM-exact engine",
+        "what_if": "replicas behind a simulated router; each replica is "
+        + (
+            "the engine with the what-if policies listed under the summary's what_if"
+            if engine_what_if
+            else "the vLLM-exact engine"
+        ),
         "metrics_note": "request metrics are fleet-wide; step metrics (KV usage, running and "
         "waiting requests, KV waste) pool every replica's steps, so they describe one replica "
         "on average and at its worst; kv_cache is one replica's",

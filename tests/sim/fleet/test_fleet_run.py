@@ -139,7 +139,20 @@ def test_fleet_tables_and_summary_add_up() -> None:
     assert sum(r["num_requests"] for r in per) == summary["num_requests"]
     assert sum(r["num_steps"] for r in per) == summary["metrics"]["num_steps"] == len(steps)
     assert sum(r["preemptions"] for r in per) == summary["metrics"]["vllm:num_preemptions"]["total"]
-    assert "what_if" in fleet
+    assert fleet["what_if"].endswith("each replica is the vLLM-exact engine")
+    assert "what_if" not in summary
+
+
+def test_a_fleet_of_what_if_engines_says_so() -> None:
+    from sim.fleet.outputs import fleet_section
+
+    result = simulate(parse_scenario(agents(replicas=2), "two"))
+    config = result.scenario.fleet
+    assert config is not None
+    section = fleet_section(
+        config, result.requests, result.steps, result.summary["duration_s"], True
+    )
+    assert section["what_if"].endswith("the what-if policies listed under the summary's what_if")
 
 
 def test_a_single_engine_scenario_file_has_no_fleet_key() -> None:
