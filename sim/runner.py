@@ -22,6 +22,7 @@ from sim.errors import KvsimConfigError
 from sim.fleet.dispatch import FleetDispatcher, Replica
 from sim.fleet.outputs import fleet_requests, fleet_section, fleet_steps
 from sim.fleet.routers import build_router
+from sim.kv.retention import retention_summary
 from sim.recorder import Recorder
 from sim.results import write_run
 from sim.scenario import Scenario, scenario_to_yaml
@@ -81,6 +82,8 @@ def _build_replica(
     holds no state)."""
     engine_cfg = scenario.engine
     scheduler = Scheduler(engine_cfg, sizing.num_gpu_blocks)
+    if engine_cfg.kv_retention.policy != "none":
+        scheduler.kv_cache_manager.enable_retention(engine_cfg.kv_retention, lambda: env.now)
     recorder = Recorder(engine_cfg.block_size, block_map)
     engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference)
     return Replica(index, engine)
@@ -185,4 +188,11 @@ def simulate(
     )
     if fleet is not None:
         summary["fleet"] = fleet_section(fleet, requests, steps, duration_s)
+    if engine_cfg.kv_retention.policy != "none":
+        summary["retention"] = retention_summary(
+            engine_cfg.kv_retention,
+            [r.scheduler.kv_cache_manager.retention for r in replicas],  # type: ignore[misc]
+            requests,
+            duration_s,
+        )
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

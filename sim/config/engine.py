@@ -17,6 +17,7 @@ from sim.config.limits import (
     MAX_TOKENS,
     KvsimModel,
 )
+from sim.config.retention import RetentionConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 
@@ -74,6 +75,11 @@ class EngineConfig(KvsimModel):
         description="Fraction of KV blocks kept free when admitting waiting or preempted "
         "requests (vLLM's --watermark; 0, its default, disables it).",
     )
+    kv_retention: RetentionConfig = Field(
+        default_factory=RetentionConfig,
+        description="Session-aware KV retention during tool waits (a what-if; policy none, "
+        "the default, is vLLM 0.32).",
+    )
 
     def what_if_policies(self) -> list[str]:
         """The memory policies this config turns on that vLLM 0.32 does not run as configured
@@ -84,7 +90,7 @@ class EngineConfig(KvsimModel):
         ``what_if``, and the engine runs every step through the scheduler (the decode-stretch
         fast path is proven exact only for the vLLM-exact engine).
         """
-        return []
+        return [line for line in (self.kv_retention.what_if(),) if line is not None]
 
     @model_validator(mode="after")
     def _check_budget(self) -> EngineConfig:
