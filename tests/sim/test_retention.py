@@ -236,6 +236,28 @@ def test_pins_never_starve_an_engine_with_nothing_running() -> None:
     assert retention.num_releases["starved"] == 1
 
 
+def test_held_blocks_count_a_shared_block_once_and_live_pins_to_their_expiry() -> None:
+    kv, clock = make_manager(policy="ttl", ttl_s=10.0)
+    shared = tokens(100, BLOCK_SIZE)
+    turns = [
+        make_request(f"s{i}-t0", shared + tokens(1000 * (i + 1), 8), session_id=i) for i in range(2)
+    ]
+    assert admit(kv, turns[0]) == [1, 2]
+    assert admit(kv, turns[1]) == [1, 3]  # the shared system prompt block is a prefix hit
+    finish(kv, turns[0])
+    clock.now_s = 2.0
+    finish(kv, turns[1])
+    retention = kv.retention
+    assert retention is not None
+    assert [h.block_ids for h in retention.holders.values()] == [[1], [1]]
+    assert kv.block_pool.ref_cnt[1] == 2
+    assert (retention.num_held_blocks, retention.peak_held_blocks) == (1, 1)
+    assert retention.held_block_s_until(4.0) == 4.0
+    # Session 0's pin ends at 10, session 1's at 12: the block is held from 0 to 12.
+    assert retention.held_block_s_until(100.0) == 12.0
+    assert len(retention.holders) == 2  # counting released nothing
+
+
 # -- whole runs --------------------------------------------------------------------------------
 def scenario_doc(num_gpu_blocks: int, retention: dict[str, Any] | None = None) -> dict[str, Any]:
     """16 agent sessions of 4 turns on a small pool: returning turns re-send ~300-500 tokens."""
