@@ -385,3 +385,13 @@ def test_default_outputs_do_not_mention_retention() -> None:
     pinned = parse_scenario(scenario_doc(300, {"policy": "ttl", "ttl_s": 3.0}), "test")
     assert "kv_retention" in scenario_to_yaml(pinned)
     assert json.loads(json.dumps(pinned.engine.kv_retention.model_dump()))["ttl_s"] == 3.0
+
+
+def test_a_replay_on_vllm_refuses_a_retention_policy() -> None:
+    from validate.engine_args import engine_kwargs
+
+    scenario = load_scenario(
+        "scenarios/validation/agentic-multiturn.yaml", ["engine.kv_retention.policy=ttl"]
+    )
+    with pytest.raises(KvsimConfigError, match=r"engine: kv_retention: ttl \(ttl_s=30\)"):
+        engine_kwargs(scenario, "cpu", "tiny")
