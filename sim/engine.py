@@ -97,6 +97,7 @@ class Engine(SinkBase):
         """Queue a request now; the returned event fires with it once it has finished."""
         request.arrival_time_s = self._env.now
         self.scheduler.add_request(request)
+        self.scheduler.kv_cache_manager.on_arrival(request)  # KV retention's session hint
         self.recorder.on_arrival(request, meta, self._env.now)
         done = self._env.event()
         self._done[request.request_id] = done

@@ -10,6 +10,10 @@ from __future__ import annotations
 import enum
 import zlib
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sim.workload.base import SessionHint
 
 # Parent hash of a request's first block. An int, not None: hash(None) is not stable across
 # processes on Python 3.11, and kvsim results must be.
@@ -53,6 +57,7 @@ class Request:
         "num_prompt_tokens",
         "priority",
         "request_id",
+        "session_hint",
         "status",
         "token_ids",
     )
@@ -68,6 +73,7 @@ class Request:
         priority: int = 0,
         output_token_ids: Sequence[int] | None = None,
         prompt_block_hashes: Sequence[int] | None = None,
+        session_hint: SessionHint | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt_token_ids is empty")
@@ -89,6 +95,8 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # Which session sent it and whether it comes back (only KV retention reads it).
+        self.session_hint = session_hint
         self.block_hashes: list[int] = []
         if prompt_block_hashes is not None:
             # The workload already hashed this prefix (a session's context is append-only).

@@ -22,6 +22,7 @@ from sim.errors import KvsimConfigError
 from sim.fleet.dispatch import FleetDispatcher, Replica
 from sim.fleet.outputs import fleet_requests, fleet_section, fleet_steps
 from sim.fleet.routers import build_router
+from sim.kv.retention import retention_summary
 from sim.kv.waste import WasteTrackingScheduler, wants_waste_tracking
 from sim.kv.waste import summary_section as waste_section
 from sim.recorder import Recorder
@@ -87,6 +88,8 @@ def _build_replica(
     scheduler = (WasteTrackingScheduler if waste else Scheduler)(
         engine_cfg, sizing.num_gpu_blocks, sizing.bytes_per_block
     )
+    if engine_cfg.kv_retention.policy != "none":
+        scheduler.kv_cache_manager.enable_retention(engine_cfg.kv_retention, lambda: env.now)
     recorder = Recorder(engine_cfg.block_size, block_map)
     # Waste is sampled in Scheduler.schedule, which decode stretches skip.
     engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference and not waste)
@@ -210,5 +213,12 @@ def simulate(
     if fleet is not None:
         summary["fleet"] = fleet_section(
             fleet, requests, steps, duration_s, bool(engine_cfg.what_if_policies())
+        )
+    if engine_cfg.kv_retention.policy != "none":
+        summary["retention"] = retention_summary(
+            engine_cfg.kv_retention,
+            [r.scheduler.kv_cache_manager.retention for r in replicas],  # type: ignore[misc]
+            requests,
+            duration_s,
         )
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

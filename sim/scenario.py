@@ -307,4 +307,6 @@ def scenario_to_yaml(scenario: Scenario) -> str:
     document = scenario.model_dump(mode="json")
     if document["fleet"] is None:
         del document["fleet"]  # one engine: the file reads as before fleets existed
+    if document["engine"]["kv_retention"]["policy"] == "none":
+        del document["engine"]["kv_retention"]  # vLLM's own: as before the what-if existed
     return yaml.safe_dump(document, sort_keys=False)

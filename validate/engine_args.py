@@ -65,6 +65,12 @@ def engine_kwargs(
             "routers exist only in the simulator; remove the fleet section to replay (or "
             "validate) one replica's engine"
         )
+    what_if = scenario.engine.what_if_policies()
+    if what_if:
+        raise KvsimConfigError(
+            f"engine: {'; '.join(what_if)}: a replay runs vLLM 0.32 itself, which has no such "
+            "policy; drop it to replay (or validate) the scenario"
+        )
     e = scenario.engine
     # The scenario's engine settings, named as kvsim exports them for rollout (one mapping),
     # plus what a replay needs: the recording scheduler, the seed, stats on.

@@ -17,6 +17,7 @@ from sim.config.limits import (
     MAX_TOKENS,
     KvsimModel,
 )
+from sim.config.retention import RetentionConfig
 
 SchedulingPolicy = Literal["fcfs", "priority"]
 PreemptionMode = Literal["recompute", "swap"]
@@ -114,6 +115,11 @@ class EngineConfig(KvsimModel):
         "--swap-space); its KV blocks are this many bytes over the per-GPU block size. "
         "Must be unset with preemption_mode=recompute.",
     )
+    kv_retention: RetentionConfig = Field(
+        default_factory=RetentionConfig,
+        description="Session-aware KV retention during tool waits (a what-if; policy none, "
+        "the default, is vLLM 0.32).",
+    )
 
     def what_if_policies(self) -> list[str]:
         """The memory policies this config turns on that vLLM 0.32 does not run as configured
@@ -132,7 +138,27 @@ class EngineConfig(KvsimModel):
             if self.enable_prefix_caching:
                 line += "; prefix caching off (a contiguous region is private to its request)"
             policies.append(f"{line}; vLLM 0.32 pages its KV cache")
+        if (line := self.kv_retention.what_if()) is not None:
+            policies.append(line)
         return policies
+
+    @model_validator(mode="after")
+    def _check_retention(self) -> EngineConfig:
+        policy = self.kv_retention.policy
+        if policy == "none":
+            return self
+        if self.allocator != "paged":
+            raise ValueError(
+                f"engine.kv_retention.policy={policy} keeps prefix-cached blocks of paged KV; "
+                f"engine.allocator={self.allocator} has no prefix cache: use one of the two"
+            )
+        if not self.enable_prefix_caching:
+            raise ValueError(
+                f"engine.kv_retention.policy={policy} keeps a session's prefix-cached blocks "
+                "for its next turn, and engine.enable_prefix_caching=false caches none: turn "
+                "prefix caching on or set engine.kv_retention.policy=none"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_swap(self) -> EngineConfig:

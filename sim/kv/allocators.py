@@ -201,6 +201,10 @@ class ContiguousKVManager:
     def cache_blocks(self, request: Request, num_tokens: int) -> None:
         """No prefix cache: nothing to register."""
 
+    def on_arrival(self, request: Request) -> None:
+        """A request arrived at the engine (only the paged manager's KV retention listens;
+        retention needs prefix caching, which contiguous allocation has not)."""
+
     def free(self, request: Request) -> None:
         """Release the request's region."""
         region = self.req_to_blocks.pop(request.request_id, None)

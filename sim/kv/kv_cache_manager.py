@@ -9,11 +9,13 @@ list of ints, prefix hits and new blocks are lists of ids.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from sim.config.retention import RetentionConfig
 from sim.kv.block_pool import BlockPool
+from sim.kv.retention import KVRetention
 from sim.request import Request, RequestStatus
 
 
@@ -71,6 +73,66 @@ class KVCacheManager:
         self.num_cached_block: dict[str, int] = {}
         # get_computed_blocks' last answer.
         self._lookup_memo: _LookupMemo | None = None
+        # The what-if KV retention (see enable_retention); None: vLLM's free at finish.
+        self.retention: KVRetention | None = None
+
+    def enable_retention(self, config: RetentionConfig, clock: Callable[[], float]) -> None:
+        """Turn on session-aware KV retention (``sim/kv/retention.py``), reading simulated
+        time from ``clock``. The retaining versions of allocate_slots, get_computed_blocks,
+        free and on_arrival replace the plain ones on this instance, so a manager without
+        retention runs exactly the code it ran before (no branch on its hot path)."""
+        retention = KVRetention(config, self.block_pool, clock)
+        self.retention = retention
+        plain_allocate = self.allocate_slots
+        plain_lookup = self.get_computed_blocks
+        plain_free = self.free
+        tick = retention.tick
+
+        def allocate_slots(request: Request, *args: object, **kwargs: object) -> list[int] | None:
+            tick()
+            if request.request_id in self.req_to_blocks:
+                return plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
+            new_blocks = plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
+            # Pins never starve an engine with nothing running: its queue's head would wait
+            # for them forever (or until they expire) with the GPU idle.
+            while new_blocks is None and not kwargs.get("has_scheduled_reqs", True):
+                if not retention.release_oldest():
+                    break
+                new_blocks = plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
+            if new_blocks is not None:
+                retention.on_admit(request)
+            return new_blocks
+
+        def get_computed_blocks(request: Request) -> tuple[list[int], int]:
+            tick()
+            return plain_lookup(request)
+
+        def free(request: Request) -> None:
+            tick()
+            if request.status is not RequestStatus.FINISHED_LENGTH_CAPPED:
+                plain_free(request)  # a preemption: recompute frees as vLLM does
+                return
+            blocks = self.req_to_blocks.get(request.request_id)
+            num_cached = self.num_cached_block.get(request.request_id, 0)
+            keep = retention.blocks_to_keep(request, blocks, num_cached) if blocks else 0
+            if not keep:
+                plain_free(request)
+                return
+            del self.req_to_blocks[request.request_id]
+            del self.num_cached_block[request.request_id]
+            # The rest as free would have freed it (tail first), the kept head held.
+            rest = blocks[keep:]
+            if rest:
+                self.block_pool.free_blocks(rest[::-1])
+            retention.retain(request, blocks[:keep])
+
+        self.allocate_slots = allocate_slots  # type: ignore[method-assign]
+        self.get_computed_blocks = get_computed_blocks  # type: ignore[method-assign]
+        self.free = free  # type: ignore[method-assign]
+        self.on_arrival = retention.on_arrival  # type: ignore[method-assign]
+
+    def on_arrival(self, request: Request) -> None:
+        """A request arrived at the engine (only KV retention listens)."""
 
     @property
     def usage(self) -> float:

@@ -23,7 +23,7 @@ from sim.config.limits import (
     KvsimModel,
 )
 from sim.request import Request
-from sim.workload.base import RequestMeta, RequestSink
+from sim.workload.base import RequestMeta, RequestSink, SessionHint
 from sim.workload.distributions import (
     DEFAULT_PRIORITY_CLASSES,
     ArrivalProcess,
@@ -197,6 +197,7 @@ class AgentSessionsWorkload(KvsimModel):
                 return  # the context no longer fits: the session ends, as an agent's would
             context.append(piece)
             done = []
+            returns = turn + 1 < num_turns
             for j, (task, out) in enumerate(zip(tasks, outputs, strict=True)):
                 request_id = (
                     f"s{session_id}-t{turn}-f{j}" if is_fanout else f"s{session_id}-t{turn}"
@@ -211,6 +212,14 @@ class AgentSessionsWorkload(KvsimModel):
                     output_token_ids=out,
                     prompt_block_hashes=(
                         context.block_hashes_with(task) if task else context.block_hashes
+                    ),
+                    # The next turn re-sends a plain turn whole; of a fan-out only the
+                    # context, kept once (by the first sub-call).
+                    session_hint=SessionHint(
+                        session_id,
+                        returns and j == 0,
+                        len(context) if is_fanout else None,
+                        self.tool_latency,
                     ),
                 )
                 meta = RequestMeta(

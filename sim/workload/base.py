@@ -30,6 +30,30 @@ class RequestMeta:
     subcall: int | None = None
 
 
+class ToolLatency(Protocol):
+    """A tool-latency distribution, as KV retention reads it."""
+
+    def quantile(self, q: float) -> float:
+        """The latency (s) below which a fraction ``q`` of tool calls finish."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class SessionHint:
+    """What a session tells the engine about one of its requests beyond the tokens (vLLM
+    discusses such session hints; vLLM 0.32 has none): only the what-if KV retention reads it
+    (``sim/kv/retention.py``)."""
+
+    session_id: int
+    # Another turn of the session is expected after this request (a tool wait follows).
+    returns: bool
+    # How many leading tokens of this request the next turn re-sends (None: all of them,
+    # prompt and output; a fan-out sub-call shares only the turn's context).
+    num_reused_tokens: int | None = None
+    # The distribution the tool wait before the next turn is drawn from.
+    tool_latency: ToolLatency | None = None
+
+
 class RequestSink(Protocol):
     """The engine, as a workload sees it."""
 

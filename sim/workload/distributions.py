@@ -11,6 +11,7 @@ import csv
 import io
 import math
 from pathlib import Path
+from statistics import NormalDist
 from typing import Annotated, Any, Literal
 
 import numpy as np
@@ -302,6 +303,10 @@ class LogNormalLatency(_Config):
         """``n`` latencies (s)."""
         return rng.lognormal(math.log(self.median_s), self.sigma, size=n)
 
+    def quantile(self, q: float) -> float:
+        """The latency (s) below which a fraction ``q`` (0 < q < 1) of draws fall."""
+        return math.exp(math.log(self.median_s) + self.sigma * NormalDist().inv_cdf(q))
+
 
 class FixedLatency(_Config):
     """The same tool latency every time (exact timing in tests and what-ifs)."""
@@ -312,6 +317,10 @@ class FixedLatency(_Config):
     def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
         """``n`` copies of ``value_s``."""
         return np.full(n, self.value_s, dtype=np.float64)
+
+    def quantile(self, q: float) -> float:
+        """``value_s`` for every ``q`` (0 < q < 1)."""
+        return self.value_s
 
 
 LatencyDist = Annotated[LogNormalLatency | FixedLatency, Field(discriminator="kind")]
