@@ -13,6 +13,7 @@ from plotly.colors import qualitative
 from plotly.subplots import make_subplots
 
 from dashboard.data import PHASES, ordinal, strided
+from sim.block_map import RETAINED
 
 PALETTE = qualitative.Plotly
 METRIC_TITLES = {
@@ -28,6 +29,7 @@ PHASE_COLORS = {
 }
 FREE_COLOR = "#ececec"
 CACHED_COLOR = "#9ecae1"
+RETAINED_COLOR = "#6a3d9a"
 CLASS_COLORS = ["#d62728", "#9467bd", "#ff7f0e", "#8c564b", "#e377c2", "#bcbd22"]
 TIME_AXIS = "time (s)"
 
@@ -228,12 +230,28 @@ def overlay_timeline_figure(
     return _layout(fig, 320)
 
 
-def state_legend(classes: list[str]) -> list[tuple[str, str]]:
-    """(label, colour) of each block state: free, cached-but-free, then one per class."""
+def state_legend(classes: list[str], retained: bool = False) -> list[tuple[str, str]]:
+    """(label, colour) of each block state: free, cached-but-free, one per class, and with
+    ``retained`` the what-if KV retention's held blocks last."""
     out = [("free", FREE_COLOR), ("prefix-cached (free)", CACHED_COLOR)]
     for k, name in enumerate(classes):
         out.append((f"running: {name}", CLASS_COLORS[k % len(CLASS_COLORS)]))
+    if retained:
+        out.append(("retained for a returning session (what-if)", RETAINED_COLOR))
     return out
+
+
+def block_states(
+    states: np.ndarray, classes: list[str]
+) -> tuple[np.ndarray, list[tuple[str, str]]]:
+    """Block-map codes (``sim/block_map.py``) as indices into their legend: retained blocks
+    (code 255) get the last entry, present only when the map has any."""
+    retained = states == RETAINED
+    legend = state_legend(classes, retained=bool(retained.any()))
+    z = np.minimum(states, len(legend) - 1 - int(retained.any()))
+    if retained.any():
+        z = np.where(retained, len(legend) - 1, z)
+    return z, legend
 
 
 def _discrete_scale(colors: list[str]) -> list[list]:
@@ -289,8 +307,7 @@ def block_map_figure(
     """
     t_idx, t_stride = strided(len(times_s), max_times)
     b_idx, b_stride = strided(states.shape[1], max_blocks)
-    legend = state_legend(classes)
-    z = states[np.ix_(t_idx, b_idx)].T
+    z, legend = block_states(states[np.ix_(t_idx, b_idx)].T, classes)
     fig = go.Figure(
         _state_heatmap(
             z,
@@ -322,11 +339,11 @@ def block_strip_figure(
     state_row: np.ndarray, classes: list[str], time_s: float, width: int = 128
 ) -> go.Figure:
     """One snapshot, every block: block ids wrapped into rows of ``width`` blocks."""
-    legend = state_legend(classes)
+    codes, legend = block_states(state_row, classes)
     n = state_row.size
     rows = -(-n // width)
     grid = np.full(rows * width, np.nan)
-    grid[:n] = state_row
+    grid[:n] = codes
     grid = grid.reshape(rows, width)
     ids = np.arange(rows * width).reshape(rows, width)
     fig = go.Figure(
@@ -374,6 +391,7 @@ def waterfall_figure(segments: pd.DataFrame, title: str | None = None) -> go.Fig
 
 __all__ = [
     "block_map_figure",
+    "block_states",
     "block_strip_figure",
     "cdf_figure",
     "fleet_timeline_figure",

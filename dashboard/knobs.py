@@ -16,6 +16,7 @@ from typing import Any
 from sim.config.engine import EngineConfig
 from sim.config.hardware import HARDWARE_PRESETS
 from sim.config.model import MODEL_PRESETS
+from sim.config.retention import RetentionConfig
 from sim.scenario import Scenario, apply_override, parse_scenario
 
 RATED_ARRIVALS = ("poisson", "gamma")
@@ -66,7 +67,8 @@ SWAP_SPACE_GIB_SHOWN = 4.0
 
 
 def policy_knobs(document: dict[str, Any]) -> list[Knob]:
-    """The memory-policy what-ifs: allocator, preemption mode and the swap space it needs."""
+    """The memory-policy what-ifs: allocator, preemption mode and the swap space it needs,
+    KV retention."""
     allocators = ("paged", "static", "orca_max", "orca_pow2", "orca_oracle")
     swap_space = get_path(document, "engine.swap_space_gib")
     return [
@@ -82,6 +84,28 @@ def policy_knobs(document: dict[str, Any]) -> list[Knob]:
             help=EngineConfig.model_fields["swap_space_gib"].description,
             only_with=("engine.preemption_mode", ("swap",)), in_document=swap_space is not None,
         ),
+        *_retention_knobs(document),
+    ]  # fmt: skip
+
+
+def _retention_knobs(document: dict[str, Any]) -> list[Knob]:
+    """KV retention during tool waits: the policy and the setting each policy reads (every
+    field has a default, so a knob left alone writes nothing)."""
+    fields = RetentionConfig.model_fields
+
+    def knob(name: str, label: str, kind: str, **kw: Any) -> Knob:
+        path = f"engine.kv_retention.{name}"
+        value = get_path(document, path, fields[name].default)
+        return Knob(path, label, kind, value, help=fields[name].description, **kw)
+
+    return [
+        knob("policy", "KV retention (what-if)", "select",
+             options=("none", "ttl", "tool_latency", "free_floor")),
+        knob("ttl_s", "retention TTL (s; ttl, free_floor)", "float", min_value=0.0, step=5.0),
+        knob("quantile", "tool-latency quantile (tool_latency)", "float",
+             min_value=0.01, max_value=0.99, step=0.05),
+        knob("free_floor", "free-block floor (free_floor)", "float",
+             min_value=0.0, max_value=0.99, step=0.05),
     ]  # fmt: skip
 
 

@@ -1,7 +1,9 @@
 """Snapshots of every KV block's state over a run: the HBM block map of the dashboard.
 
 Each snapshot is one uint8 per block: 0 free, 1 cached-but-free (prefix cache, evictable),
-2+k owned by a running request of priority class k. Snapshots are taken every ``interval``
+2+k owned by a running request of priority class k (k capped so codes stay below 255), 255
+retained: held by the what-if KV retention for a session expected back, and by no running
+request. Snapshots are taken every ``interval``
 steps; when more than ``max_snapshots`` pile up, every other one is dropped and the interval
 doubles, so a run of any length keeps an evenly spaced map of bounded size.
 
@@ -21,7 +23,7 @@ import numpy as np
 if TYPE_CHECKING:
     from sim.scheduler.scheduler import Scheduler
 
-FREE, CACHED, OWNED_BASE = 0, 1, 2
+FREE, CACHED, OWNED_BASE, RETAINED = 0, 1, 2, 255
 BLOCK_MAP_FILE = "block_map.npz"
 
 
@@ -56,6 +58,9 @@ class BlockMapRecorder:
         # owned ones are marked next.
         states = np.zeros(pool.num_gpu_blocks, dtype=np.uint8)
         states[pool.cached_block_ids()] = CACHED
+        retention = getattr(kv, "retention", None)
+        if retention is not None:  # the what-if KV retention's held blocks
+            states[retention.held_refs > 0] = RETAINED
         owners = [
             (request.request_id, blocks)
             for request in scheduler.running
@@ -63,7 +68,7 @@ class BlockMapRecorder:
         ]
         if owners:
             codes = [
-                min(OWNED_BASE + self.class_index(class_of(request_id)), 255)
+                min(OWNED_BASE + self.class_index(class_of(request_id)), RETAINED - 1)
                 for request_id, _ in owners
             ]
             lengths = [len(blocks) for _, blocks in owners]

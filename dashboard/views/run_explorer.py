@@ -181,8 +181,9 @@ def _block_map(path: Path, fleet: bool) -> None:
     if note:
         st.caption(note)
     row = block_map.states[index]
-    counts = np.bincount(np.minimum(row, 1 + len(block_map.classes)), minlength=2)
-    names = [label for label, _ in charts.state_legend(block_map.classes)]
+    codes, legend = charts.block_states(row, block_map.classes)
+    counts = np.bincount(codes, minlength=2)
+    names = [label for label, _ in legend]
     st.caption(
         f"t = {times[index]:,.2f} s: "
         + ", ".join(f"{names[k]} {int(c):,}" for k, c in enumerate(counts) if k < len(names))

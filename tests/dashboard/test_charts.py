@@ -85,6 +85,24 @@ def test_block_map_figure_downsamples_with_a_note() -> None:
     assert none is None
 
 
+def test_retained_blocks_get_their_own_legend_entry() -> None:
+    states = np.array([[0, 1, 2, 3, 255, 255]], dtype=np.uint8)
+    z, legend = charts.block_states(states, ["interactive", "background"])
+    assert [label for label, _ in legend] == [
+        "free",
+        "prefix-cached (free)",
+        "running: interactive",
+        "running: background",
+        "retained for a returning session (what-if)",
+    ]
+    assert z.tolist() == [[0, 1, 2, 3, 4, 4]]
+    # Without retained blocks the legend has no such entry and codes map to themselves.
+    z, legend = charts.block_states(states[:, :4], ["interactive", "background"])
+    assert len(legend) == 4 and z.tolist() == [[0, 1, 2, 3]]
+    fig = charts.block_strip_figure(states[0], ["interactive", "background"], 0.0, width=4)
+    assert np.asarray(fig.data[0].z, dtype=float)[1, :2].tolist() == [4.0, 4.0]
+
+
 def test_block_strip_figure_wraps_every_block() -> None:
     row = np.arange(300) % 3
     fig = charts.block_strip_figure(row.astype(np.uint8), ["a"], 1.5, width=128)

@@ -215,6 +215,27 @@ def test_policy_knobs_write_the_swap_space_only_with_swap() -> None:
     assert back.engine.swap_space_gib is None and not back.engine.what_if_policies()
 
 
+def test_retention_knobs_write_only_what_changed() -> None:
+    import yaml
+
+    document = yaml.safe_load((SCENARIO_DIR / "coding-agents-8b-h100.yaml").read_text())
+    knobs = {k.path: k for k in knobs_for(document)}
+    assert knobs["engine.kv_retention.policy"].default == "none"
+    assert knobs["engine.kv_retention.ttl_s"].default == 30.0
+    values = {path: k.default for path, k in knobs.items()}
+    values |= {"engine.kv_retention.policy": "tool_latency", "engine.kv_retention.quantile": 0.8}
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == [
+        'engine.kv_retention.policy="tool_latency"',
+        "engine.kv_retention.quantile=0.8",
+    ]
+    scenario = scenario_from(document, overrides, "x.yaml", SCENARIO_DIR)
+    assert scenario.engine.kv_retention.quantile == 0.8
+    assert scenario.engine.what_if_policies() == [
+        "kv_retention: tool_latency (quantile=0.8 of the session's tool latency); not in vLLM 0.32"
+    ]
+
+
 def test_knobs_of_open_loop_and_burst() -> None:
     open_loop = {"workload": {"kind": "open_loop", "arrival": {"kind": "poisson"}}}
     assert {"workload.num_requests", "workload.arrival.rate_per_s"} <= {

@@ -11,6 +11,7 @@ import json
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pytest
 
@@ -413,3 +414,24 @@ def test_retention_needs_paged_prefix_caching(sets: list[str], message: str) -> 
             SCENARIO_DIR / "coding-agents-8b-h100.yaml",
             ["engine.kv_retention.policy=ttl", *sets],
         )
+
+
+def test_the_block_map_shows_retained_blocks() -> None:
+    from sim.block_map import RETAINED
+    from sim.runner import simulate
+    from sim.scenario import SCENARIO_DIR, load_scenario
+
+    spec = load_scenario(
+        SCENARIO_DIR / "coding-agents-8b-h100.yaml",
+        [
+            "workload.sessions=20",
+            "workload.session_arrival.rate_per_s=2",
+            "engine.kv_retention.policy=ttl",
+            "engine.kv_retention.ttl_s=60",
+        ],
+    )
+    result = simulate(spec)
+    states = np.stack(result.block_map.states)
+    assert (states == RETAINED).any()
+    # Only blocks held for a session that no running request owns are marked retained.
+    assert result.summary["retention"]["num_retentions"] > 0
