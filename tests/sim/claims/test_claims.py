@@ -196,3 +196,15 @@ def test_a_png_that_cannot_be_written_is_one_clear_error(
     monkeypatch.setattr(render.go.Figure, "write_image", no_export)
     with pytest.raises(KvsimConfigError, match="need kaleido, the report extra"):
         render.check_png_export(tmp_path)
+
+
+def test_the_shipped_claims_scenario_searches_the_session_rate() -> None:
+    from sim.capacity import default_knob
+    from sim.scenario import SCENARIO_DIR, check_runnable
+
+    spec = load_scenario(SCENARIO_DIR / "claims" / "agents-8b-h100.yaml", ["workload.sessions=20"])
+    check_runnable(spec)
+    assert default_knob(spec).field == RATE
+    assert spec.slos.ttft_p99_s == 2.0 and spec.slos.itl_p99_s == 0.15
+    summary = simulate(spec).summary
+    assert summary["num_finished"] == summary["num_requests"] > 0
