@@ -16,7 +16,7 @@ from typing import Any
 from sim.config.engine import EngineConfig
 from sim.config.hardware import HARDWARE_PRESETS
 from sim.config.model import MODEL_PRESETS
-from sim.config.retention import RetentionConfig
+from sim.config.retention import READS, RetentionConfig
 from sim.scenario import Scenario, apply_override, parse_scenario
 
 RATED_ARRIVALS = ("poisson", "gamma")
@@ -36,11 +36,13 @@ class Knob:
     step: float | None = None
     help: str | None = None
     # Set only together with another knob's value: (that knob's path, the values it needs),
-    # e.g. swap_space_gib only with preemption_mode=swap. The override is written whenever
-    # that value is picked and the document does not hold this field yet, and the field is
-    # cleared (null) when another value is picked.
+    # e.g. swap_space_gib only with preemption_mode=swap. A ``required`` field is written
+    # whenever that value is picked and the document does not hold it yet; the field is
+    # cleared (set to ``cleared``) when another value is picked.
     only_with: tuple[str, tuple[Any, ...]] | None = None
     in_document: bool = True
+    cleared: Any = None  # what clears the field (its unset value)
+    required: bool = False  # the only_with value needs this field (no default to fall back on)
 
 
 def get_path(document: dict[str, Any], path: str, default: Any = None) -> Any:
@@ -83,6 +85,7 @@ def policy_knobs(document: dict[str, Any]) -> list[Knob]:
             min_value=0.001, step=1.0,
             help=EngineConfig.model_fields["swap_space_gib"].description,
             only_with=("engine.preemption_mode", ("swap",)), in_document=swap_space is not None,
+            required=True,
         ),
         *_retention_knobs(document),
     ]  # fmt: skip
@@ -96,6 +99,13 @@ def _retention_knobs(document: dict[str, Any]) -> list[Knob]:
     def knob(name: str, label: str, kind: str, **kw: Any) -> Knob:
         path = f"engine.kv_retention.{name}"
         value = get_path(document, path, fields[name].default)
+        if name != "policy":  # written only with a policy that reads it (READS)
+            policies = tuple(p for p, reads in READS.items() if name in reads)
+            kw |= {
+                "only_with": ("engine.kv_retention.policy", policies),
+                "in_document": get_path(document, path) is not None,
+                "cleared": fields[name].default,
+            }
         return Knob(path, label, kind, value, help=fields[name].description, **kw)
 
     return [
@@ -186,6 +196,8 @@ def _fits(knob: Knob) -> bool:
 
 def yaml_value(value: Any) -> str:
     """A value as the right-hand side of ``--set`` (parsed as YAML; JSON scalars are YAML)."""
+    if value is None:
+        return "null"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, float):
@@ -204,10 +216,10 @@ def build_overrides(knobs: list[Knob], values: dict[str, Any]) -> list[str]:
             path, needs = knob.only_with
             if values.get(path) not in needs:
                 # e.g. no swap space while preempting by recompute: drop the file's value.
-                if knob.in_document:
-                    out.append(f"{knob.path}=null")
+                if knob.in_document and knob.default != knob.cleared:
+                    out.append(f"{knob.path}={yaml_value(knob.cleared)}")
                 continue
-            if not knob.in_document:
+            if knob.required and not knob.in_document:
                 out.append(f"{knob.path}={yaml_value(value)}")
                 continue
         if value != knob.default:

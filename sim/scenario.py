@@ -307,6 +307,19 @@ def scenario_to_yaml(scenario: Scenario) -> str:
     document = scenario.model_dump(mode="json")
     if document["fleet"] is None:
         del document["fleet"]  # one engine: the file reads as before fleets existed
-    if document["engine"]["kv_retention"]["policy"] == "none":
-        del document["engine"]["kv_retention"]  # vLLM's own: as before the what-if existed
+    # vLLM's own memory policies are left out: the file reads as before the what-ifs existed.
+    engine = document["engine"]
+    if engine["kv_retention"]["policy"] == "none":
+        del engine["kv_retention"]
+    for field, default in VLLM_MEMORY_POLICY:
+        if engine[field] == default:
+            del engine[field]
     return yaml.safe_dump(document, sort_keys=False)
+
+
+# Engine fields of the what-if memory policies, at vLLM 0.32's own behaviour.
+VLLM_MEMORY_POLICY = (
+    ("allocator", "paged"),
+    ("preemption_mode", "recompute"),
+    ("swap_space_gib", None),
+)

@@ -167,6 +167,12 @@ class EngineConfig(KvsimModel):
                 "engine.swap_space_gib is required with engine.preemption_mode=swap: set the "
                 "CPU swap space per GPU in GiB (vLLM V0's --swap-space, e.g. 4)"
             )
+        if self.preemption_mode == "swap" and self.allocator != "paged":
+            raise ValueError(
+                f"engine.preemption_mode=swap never swaps with engine.allocator="
+                f"{self.allocator}: a request's contiguous reservation is never preempted; "
+                "use one of the two"
+            )
         if self.preemption_mode == "recompute" and self.swap_space_gib is not None:
             raise ValueError(
                 f"engine.swap_space_gib={self.swap_space_gib:g} is set but "

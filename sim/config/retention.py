@@ -8,13 +8,22 @@ freeing them (see ``sim/kv/retention.py``). ``policy: none`` (the default) is vL
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, SerializerFunctionWrapHandler, model_serializer, model_validator
 
 from sim.config.limits import MAX_SECONDS, KvsimModel
 
 RetentionPolicy = Literal["none", "ttl", "tool_latency", "free_floor"]
+
+# The settings each policy reads; another one set to a value other than its default is an
+# error (it would be ignored).
+READS: dict[str, tuple[str, ...]] = {
+    "none": (),
+    "ttl": ("ttl_s",),
+    "tool_latency": ("quantile",),
+    "free_floor": ("ttl_s", "free_floor"),
+}
 
 
 class RetentionConfig(KvsimModel):
@@ -48,6 +57,29 @@ class RetentionConfig(KvsimModel):
         description="Fraction of usable KV blocks that must stay free while anything is "
         "pinned (policy free_floor).",
     )
+
+    @model_validator(mode="after")
+    def _check_read(self) -> RetentionConfig:
+        fields = type(self).model_fields
+        unread = sorted(
+            name
+            for name in self.model_fields_set - {"policy", *READS[self.policy]}
+            if getattr(self, name) != fields[name].default  # the default is as good as unset
+        )
+        if unread:
+            raise ValueError(
+                f"engine.kv_retention.{unread[0]} is set but policy {self.policy} does not "
+                f"read it (policy {self.policy} reads "
+                f"{', '.join(READS[self.policy]) or 'nothing'}): remove it or pick the policy "
+                "that uses it"
+            )
+        return self
+
+    @model_serializer(mode="wrap")
+    def _dump_read(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Only what the policy reads, so a dumped scenario loads back (see _check_read).
+        data = handler(self)
+        return {k: v for k, v in data.items() if k == "policy" or k in READS[self.policy]}
 
     def what_if(self) -> str | None:
         """One line naming the policy for the outputs, None for ``policy: none``."""

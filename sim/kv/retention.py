@@ -165,9 +165,11 @@ class KVRetention:
             self._keep_floor(self.clock())
 
     def on_arrival(self, request: Request) -> None:
-        """A request arrived: if its session holds blocks, they wait for its admission."""
+        """A request arrived: if its session still holds blocks (a pin that expired before
+        now is released first, at its expiry), they wait for its admission."""
         hint = request.session_hint
         if hint is not None:
+            self.tick()
             holder = self.holders.get(hint.session_id)
             if holder is not None:
                 holder.returned = True

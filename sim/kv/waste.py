@@ -104,7 +104,10 @@ def contiguous_breakdown(
     external = 0
     if head is not None:
         need = kv.reservation_blocks(head)
-        external = sum(size for _, size in kv.gaps() if size < need) * block_size
+        # Fragmentation only when the head's region is free in total but no gap holds it;
+        # a pool that is simply short of memory has none.
+        if kv.block_pool.num_free_blocks >= need:
+            external = sum(size for _, size in kv.gaps() if size < need) * block_size
     free = kv.block_pool.num_free_blocks * block_size - external
     return (stored, reserved, internal, external, free, never, len(running))
 

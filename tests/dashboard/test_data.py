@@ -236,6 +236,26 @@ def test_retention_knobs_write_only_what_changed() -> None:
     ]
 
 
+def test_switching_the_retention_policy_resets_what_the_new_one_does_not_read() -> None:
+    import yaml
+
+    document = yaml.safe_load((SCENARIO_DIR / "coding-agents-8b-h100.yaml").read_text())
+    document["engine"]["kv_retention"] = {"policy": "ttl", "ttl_s": 60.0}
+    knobs = {k.path: k for k in knobs_for(document)}
+    values = {path: k.default for path, k in knobs.items()}
+    assert build_overrides(list(knobs.values()), values) == []
+    values["engine.kv_retention.policy"] = "tool_latency"
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == [
+        'engine.kv_retention.policy="tool_latency"',
+        "engine.kv_retention.ttl_s=30.0",
+    ]
+    scenario = scenario_from(document, overrides, "x.yaml", SCENARIO_DIR)
+    assert scenario.engine.kv_retention.policy == "tool_latency"
+    with pytest.raises(KvsimConfigError, match=r"engine\.kv_retention\.ttl_s is set"):
+        scenario_from(document, ['engine.kv_retention.policy="tool_latency"'], "x.yaml", None)
+
+
 def test_knobs_of_open_loop_and_burst() -> None:
     open_loop = {"workload": {"kind": "open_loop", "arrival": {"kind": "poisson"}}}
     assert {"workload.num_requests", "workload.arrival.rate_per_s"} <= {

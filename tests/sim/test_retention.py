@@ -175,6 +175,19 @@ def test_an_arrived_next_turn_keeps_its_pin_past_the_ttl_until_admitted() -> Non
     assert retention.num_releases == {"return": 1, "expiry": 0, "floor": 0, "starved": 0}
 
 
+def test_a_next_turn_arriving_after_the_expiry_finds_its_pin_gone() -> None:
+    kv, clock = make_manager(policy="ttl", ttl_s=5.0)
+    turn0 = make_request("s0-t0", tokens(100, 40), session_id=0)
+    admit(kv, turn0)
+    finish(kv, turn0)
+    clock.now_s = 12.0  # no KV call since the finish: the pin expired at t=5, unnoticed
+    kv.on_arrival(make_request("s0-t1", tokens(100, 40) + tokens(700, 24), session_id=0))
+    retention = kv.retention
+    assert retention is not None and not retention.holders
+    assert retention.num_releases == {"return": 0, "expiry": 1, "floor": 0, "starved": 0}
+    assert retention.held_block_s == 2 * 5.0
+
+
 def test_tool_latency_policy_pins_for_the_quantile_of_the_sessions_tool_latency() -> None:
     latency = LogNormalLatency(median_s=1.5, p95_s=20.0)
     assert latency.quantile(0.5) == pytest.approx(1.5, rel=1e-12)
@@ -435,3 +448,21 @@ def test_the_block_map_shows_retained_blocks() -> None:
     assert (states == RETAINED).any()
     # Only blocks held for a session that no running request owns are marked retained.
     assert result.summary["retention"]["num_retentions"] > 0
+
+
+def test_a_setting_the_policy_does_not_read_is_refused_and_dumps_load_back() -> None:
+    from sim.errors import KvsimConfigError
+    from sim.scenario import SCENARIO_DIR, load_scenario, parse_scenario
+
+    path = SCENARIO_DIR / "coding-agents-8b-h100.yaml"
+    with pytest.raises(KvsimConfigError, match="policy none does not read it"):
+        load_scenario(path, ["engine.kv_retention.ttl_s=20"])
+    with pytest.raises(KvsimConfigError, match=r"kv_retention\.quantile is set but policy ttl"):
+        load_scenario(path, ["engine.kv_retention.policy=ttl", "engine.kv_retention.quantile=0.5"])
+    # Its default is as good as unset; a dump holds only what the policy reads.
+    spec = load_scenario(
+        path, ["engine.kv_retention.policy=ttl", "engine.kv_retention.quantile=0.9"]
+    )
+    dumped = spec.model_dump(mode="json")["engine"]["kv_retention"]
+    assert dumped == {"policy": "ttl", "ttl_s": 30.0}
+    assert parse_scenario(spec.model_dump(mode="json"), "x").engine == spec.engine

@@ -411,3 +411,32 @@ def test_cli_reports_swap_without_swap_space_in_one_line(tmp_path: Any) -> None:
     assert result.exit_code == 2
     assert "engine.swap_space_gib is required" in result.output
     assert "Traceback" not in result.output
+
+
+def test_the_resolved_scenario_names_memory_policies_only_when_they_are_what_ifs() -> None:
+    from sim.scenario import SCENARIO_DIR, load_scenario, scenario_to_yaml
+
+    path = SCENARIO_DIR / "agent-burst.yaml"
+    plain = scenario_to_yaml(load_scenario(path))
+    for key in ("allocator:", "preemption_mode:", "swap_space_gib:", "kv_retention:"):
+        assert key not in plain  # vLLM's own policies: the file reads as before the what-ifs
+    swapping = scenario_to_yaml(
+        load_scenario(path, ["engine.preemption_mode=swap", "engine.swap_space_gib=4"])
+    )
+    assert "  preemption_mode: swap\n  swap_space_gib: 4.0\n" in swapping
+    assert "allocator:" not in swapping
+
+
+def test_swap_with_a_contiguous_allocator_is_refused() -> None:
+    from sim.errors import KvsimConfigError
+    from sim.scenario import SCENARIO_DIR, load_scenario
+
+    with pytest.raises(KvsimConfigError, match="a request's contiguous reservation is never"):
+        load_scenario(
+            SCENARIO_DIR / "agent-burst.yaml",
+            [
+                "engine.allocator=orca_pow2",
+                "engine.preemption_mode=swap",
+                "engine.swap_space_gib=4",
+            ],
+        )

@@ -132,6 +132,10 @@ def test_contiguous_rounding_and_external_fragmentation() -> None:
     assert sample["external_fragmentation"] == 0
     assert sample["free"] == 6 * BLOCK_SIZE
     assert sum(sample[p] for p in PARTS) == 10 * BLOCK_SIZE
+    big = request("big", 100, 12)  # 8 blocks: more than is free at all, so no fragmentation
+    sample = dict(zip(COLUMNS, contiguous_breakdown(kv, [a, c], big), strict=True))
+    assert sample["external_fragmentation"] == 0
+    assert sample["free"] == 6 * BLOCK_SIZE
 
 
 def test_time_weighting() -> None:
