@@ -91,7 +91,14 @@ class KVCacheManager:
         def allocate_slots(request: Request, *args: object, **kwargs: object) -> list[int] | None:
             tick()
             if request.request_id in self.req_to_blocks:
-                return plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
+                new_blocks = plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
+                # Nor a lone running request: it would preempt itself to free HBM that only
+                # pins hold (and be re-admitted once they go).
+                while new_blocks is None and len(self.req_to_blocks) == 1:
+                    if not retention.release_oldest():
+                        break
+                    new_blocks = plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
+                return new_blocks
             new_blocks = plain_allocate(request, *args, **kwargs)  # type: ignore[arg-type]
             # Pins never starve an engine with nothing running: its queue's head would wait
             # for them forever (or until they expire) with the GPU idle.

@@ -185,8 +185,9 @@ class KVRetention:
                 self._release(holder, RETURN, self.clock())
 
     def release_oldest(self) -> bool:
-        """Release the oldest holder because the engine has nothing running and cannot
-        admit its queue's head without its blocks; False if there is none."""
+        """Release the oldest holder because the engine cannot go on without its blocks
+        (nothing running and the queue's head does not fit, or a lone running request cannot
+        grow); False if there is none."""
         if not self.holders:
             return False
         self._release(next(iter(self.holders.values())), STARVED, self.clock())

@@ -34,6 +34,7 @@ class SchedulingPolicy(Protocol):
 
     def new_waiting_queue(self) -> WaitingQueue: ...
     def victim_index(self, running: list[Request]) -> int: ...
+    def ahead_of_swapped(self, request: Request, swapped_head: Request) -> bool: ...
 
 
 class FcfsQueue:
@@ -90,6 +91,11 @@ class FcfsPolicy:
     def victim_index(self, running: list[Request]) -> int:
         return len(running) - 1
 
+    def ahead_of_swapped(self, request: Request, swapped_head: Request) -> bool:
+        """Swap preemption (a what-if): whether a waiting request is admitted while a
+        swapped one waits. FCFS: never (vLLM V0: swapped requests resume first)."""
+        return False
+
 
 class PriorityPolicy:
     name: ClassVar[str] = "priority"
@@ -101,6 +107,13 @@ class PriorityPolicy:
         # max() keeps the first of equal keys, as vLLM's max(self.running, key=...) does.
         worst = max(running, key=lambda r: (r.priority, r.arrival_time_s))
         return running.index(worst)
+
+    def ahead_of_swapped(self, request: Request, swapped_head: Request) -> bool:
+        """Swap preemption (a what-if): a waiting request that sorts before the swapped
+        queue's head is admitted ahead of it (kvsim's choice: V0 made every new request
+        wait for the swapped queue, which would put interactive turns behind swapped
+        background agents)."""
+        return request < swapped_head
 
 
 POLICIES: dict[str, type[SchedulingPolicy]] = {p.name: p for p in (FcfsPolicy, PriorityPolicy)}

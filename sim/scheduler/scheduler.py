@@ -22,7 +22,9 @@ swapped requests resume in queue order while their blocks fit with the watermark
 ``can_swap_in``; as in V1's admission the watermark is waived when nothing else is
 scheduled, so a lone request always resumes) and stop at the first that does not. New
 admissions (step 2) wait until the SWAPPED queue is empty (V0's default scheduler; its
-chunked-prefill scheduler admitted behind a swapped request that did not fit).
+chunked-prefill scheduler admitted behind a swapped request that did not fit), except,
+under the priority policy, a request that sorts before the SWAPPED queue's head (kvsim's
+choice, so interactive turns do not wait for swapped background agents).
 
 :meth:`Scheduler.update_from_output` then plays the model's part: a request whose computed
 tokens reached its length samples its next (planned) token; a request at ``max_tokens`` or
@@ -161,12 +163,16 @@ class Scheduler:
         if swapper is not None and not preempted and len(self.swapped):
             token_budget = self._schedule_swapped(token_budget, threshold, num_scheduled)
 
-        # 2. WAITING requests, unless this step had to preempt or a swapped one waits.
+        # 2. WAITING requests, unless this step had to preempt; while swapped requests wait
+        # (swap preemption), only those the policy puts ahead of them.
         num_query_tokens = num_hit_tokens = num_resumed_hit_tokens = 0
-        if not preempted and not len(self.swapped):
+        if not preempted:
             waiting = self.waiting
+            swapped = self.swapped
             while token_budget > 0 and len(waiting) and len(running) < self.max_num_seqs:
                 request = waiting.peek()
+                if len(swapped) and not self.policy.ahead_of_swapped(request, swapped.peek()):
+                    break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit
                 if 0 < threshold < num_new:

@@ -440,3 +440,24 @@ def test_swap_with_a_contiguous_allocator_is_refused() -> None:
                 "engine.swap_space_gib=4",
             ],
         )
+
+
+@pytest.mark.parametrize("policy", ["priority", "fcfs"])
+def test_a_waiting_request_passes_swapped_ones_only_when_it_has_priority(policy: str) -> None:
+    sched = swap_scheduler(num_gpu_blocks=7, num_cpu=8, scheduling_policy=policy)
+    background = [
+        make_request("bgA", 32, max_tokens=20, priority=1, arrival_time_s=0.0),
+        make_request("bgB", 32, max_tokens=40, priority=1, arrival_time_s=0.5),
+    ]
+    for request in background:
+        sched.add_request(request)
+    for _ in range(18):
+        step(sched)
+    assert [r.request_id for r in sched.swapped] == ["bgB"]
+    sched.add_request(make_request("int", 16, max_tokens=2, priority=0, arrival_time_s=2.0))
+    out, _ = step(sched)
+    if policy == "priority":  # the interactive turn sorts before the swapped background one
+        assert out.admitted_ids == ["int"]
+    else:  # V0: every new request waits for the swapped queue
+        assert out.admitted_ids == []
+        assert [r.request_id for r in sched.waiting] == ["int"]
