@@ -174,6 +174,13 @@ def pressure_rows(study: Study) -> list[dict[str, Any]]:
             row["note"] = variant.missing_reason()
         elif result is None or "summary" not in result:
             row["note"] = (result or {}).get("error", "not run")
+        elif "summary" in ample and (
+            result["summary"]["num_finished"] != ample["summary"]["num_finished"]
+        ):
+            row["note"] = (
+                f"finished {result['summary']['num_finished']:,} requests, the reference "
+                f"{ample['summary']['num_finished']:,}: not comparable (time limit)"
+            )
         elif "summary" in ample:
             if result["prefill_tokens"]:
                 extra = result["prefill_tokens"] - ample["prefill_tokens"]
@@ -206,7 +213,7 @@ def pressure_section(study: Study) -> list[str]:
         )
     for r in pressure_rows(study):
         v, result = r["variant"], r["result"]
-        if r["note"]:
+        if result is None or "summary" not in result:  # not available, failed or not run
             rows.append([v.label, _kind(v), *["-"] * 8, r["note"]])
             continue
         summary = result["summary"]
@@ -224,7 +231,7 @@ def pressure_section(study: Study) -> list[str]:
                 str(m[PREEMPTIONS]["total"]),
                 _fmt(transfer, ".3g"),
                 _fmt(m[TTFT]["p99"]),
-                "",
+                r["note"] or "",
             ]
         )
     header = ["policy", "kind", "prefill tokens", "of them computed again", "busy s",

@@ -81,14 +81,19 @@ def point(load: float, sessions: int, ttft: float) -> dict[str, Any]:
     }
 
 
-def run(prefill: int, busy: float, hit: float = 0.5) -> dict[str, Any]:
+def run(prefill: int, busy: float, hit: float = 0.5, finished: int = 100) -> dict[str, Any]:
     metrics = {
         "vllm:time_to_first_token_seconds": {"p99": 1.5},
         "vllm:num_preemptions": {"total": 2},
         "vllm:kv_cache_usage_perc": {"mean": 0.9, "p95": 0.99},
         "prefix_cache_hit_rate": hit,
     }
-    summary = {"metrics": metrics, "duration_s": 120.0, "slos": {"ttft_p99_s": {"pass": False}}}
+    summary = {
+        "metrics": metrics,
+        "duration_s": 120.0,
+        "num_finished": finished,
+        "slos": {"ttft_p99_s": {"pass": False}},
+    }
     return {"summary": summary, "busy_s": busy, "prefill_tokens": prefill, "num_steps": 10}
 
 
@@ -105,6 +110,7 @@ def test_tables_come_from_the_study() -> None:
     study.runs = {
         ("pressure", "ample"): run(prefill=6_000, busy=40.0, hit=0.8),
         ("pressure", "vllm"): run(prefill=10_000, busy=50.0),
+        ("pressure", "vllm_priority"): run(prefill=9_000, busy=45.0, finished=90),
         ("utilization", "1.5"): run(prefill=1, busy=1.0),
     }
     rows = {r["variant"].key: r for r in sessions_rows(study)}
@@ -113,7 +119,10 @@ def test_tables_come_from_the_study() -> None:
     pressure = {r["variant"].key: r for r in pressure_rows(study)}
     assert pressure["vllm"]["recomputed"] == pytest.approx(0.4)  # 4,000 of 10,000
     assert pressure["vllm"]["busy_gap"] == pytest.approx(0.2)  # 1 - 40 / 50
-    assert pressure["vllm_priority"]["note"] == "not run"
+    assert pressure["vllm_priority"]["recomputed"] is None  # cut off by the time limit
+    assert pressure["vllm_priority"]["note"] == (
+        "finished 90 requests, the reference 100: not comparable (time limit)"
+    )
 
     text = render_markdown(study)
     assert "| vLLM 0.32: paged, prefix caching, recompute | vLLM-exact | 2 | 13 | 0.4 |" in text
