@@ -65,17 +65,25 @@ def setup_section(study: Study) -> list[str]:
     ]
 
 
+def missing(variant: Variant, result: dict[str, Any] | None, needs: str) -> str | None:
+    """Why a variant has no result holding ``needs``: this kvsim lacks its engine field,
+    its simulation failed (the error), or it did not run; None when it has one."""
+    if not variant.available():
+        return variant.missing_reason()
+    if result is None or needs not in result:
+        return (result or {}).get("error", "not run")
+    return None
+
+
 def sessions_rows(study: Study) -> list[dict[str, Any]]:
     """One row per policy: its capacity and the peak concurrent sessions at it."""
     rows = []
     for variant in SESSION_VARIANTS:
         result = study.capacity.get(variant.key)
-        row: dict[str, Any] = {"variant": variant, "note": None, "capacity": None, "point": None}
-        if not variant.available():
-            row["note"] = variant.missing_reason()
-        elif result is None or "error" in result:
-            row["note"] = (result or {}).get("error", "not run")
-        else:
+        note = missing(variant, result, "capacity")
+        row: dict[str, Any] = {"variant": variant, "note": note, "capacity": None, "point": None}
+        if note is None:
+            assert result is not None
             row["capacity"] = result["capacity"]
             row["simulations"] = result["simulations"]
             points = [p for p in result["curve"] if p["load"] == result["capacity"]]
@@ -168,25 +176,22 @@ def pressure_rows(study: Study) -> list[dict[str, Any]]:
         if variant.key == "static":
             continue
         result = study.runs.get(("pressure", variant.key))
-        row: dict[str, Any] = {"variant": variant, "result": result, "note": None}
+        note = missing(variant, result, "summary")
+        row: dict[str, Any] = {"variant": variant, "result": result, "note": note}
         row["recomputed"] = row["busy_gap"] = None
-        if not variant.available():
-            row["note"] = variant.missing_reason()
-        elif result is None or "summary" not in result:
-            row["note"] = (result or {}).get("error", "not run")
-        elif "summary" in ample and (
-            result["summary"]["num_finished"] != ample["summary"]["num_finished"]
-        ):
-            row["note"] = (
-                f"finished {result['summary']['num_finished']:,} requests, the reference "
-                f"{ample['summary']['num_finished']:,}: not comparable (time limit)"
-            )
-        elif "summary" in ample:
-            if result["prefill_tokens"]:
-                extra = result["prefill_tokens"] - ample["prefill_tokens"]
-                row["recomputed"] = extra / result["prefill_tokens"]
-            if result["busy_s"] > 0:
-                row["busy_gap"] = 1 - ample["busy_s"] / result["busy_s"]
+        if note is None and result is not None and "summary" in ample:
+            done, reference = result["summary"]["num_finished"], ample["summary"]["num_finished"]
+            if done != reference:
+                row["note"] = (
+                    f"finished {done:,} requests, the reference {reference:,}: not "
+                    "comparable (time limit)"
+                )
+            else:
+                if result["prefill_tokens"]:
+                    extra = result["prefill_tokens"] - ample["prefill_tokens"]
+                    row["recomputed"] = extra / result["prefill_tokens"]
+                if result["busy_s"] > 0:
+                    row["busy_gap"] = 1 - ample["busy_s"] / result["busy_s"]
         rows.append(row)
     return rows
 
@@ -257,11 +262,8 @@ def waste_section(study: Study) -> list[str]:
     rows = []
     for variant in ALLOCATOR_VARIANTS:
         result = study.runs.get(("waste", variant.key))
-        if not variant.available():
-            rows.append([variant.label, _kind(variant), *["-"] * 9, variant.missing_reason()])
-            continue
-        if result is None or "summary" not in result:
-            note = (result or {}).get("error", "not run")
+        note = missing(variant, result, "summary")
+        if note is not None or result is None:
             rows.append([variant.label, _kind(variant), *["-"] * 9, note])
             continue
         waste = result["summary"].get("kv_waste_breakdown") or {}

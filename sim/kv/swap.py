@@ -113,8 +113,6 @@ class Swapper:
         self.cpu = CpuBlockPool(num_cpu_blocks)
         self.bytes_per_block = bytes_per_block
         self.step = SwapStep(bytes_per_block)
-        self.num_swap_outs = 0
-        self.num_swap_ins = 0
         self.num_fallbacks = 0
 
     def take_step(self, num_swapped: int) -> SwapStep:
@@ -140,7 +138,6 @@ class Swapper:
         gpu_ids = kv.req_to_blocks[request.request_id][:num_blocks]
         self.step.swap_out += zip(gpu_ids, cpu_ids, strict=True)
         self.step.swapped_out_ids.append(request.request_id)
-        self.num_swap_outs += 1
         kv.free(request)
         return True
 
@@ -154,4 +151,3 @@ class Swapper:
         self.step.swap_in += zip(cpu_ids[num_hit_blocks:], gpu_ids, strict=True)
         self.step.reused_blocks += num_hit_blocks
         self.step.swapped_in_ids.append(request.request_id)
-        self.num_swap_ins += 1

@@ -117,7 +117,9 @@ class Scheduler:
         admitted_hit_tokens: list[int] = []
         # vLLM lifts the long-prefill cap when there is nobody else to starve.
         threshold = self.long_prefill_token_threshold
-        if len(running) + len(self.waiting) + len(self.swapped) <= 1:
+        swapper = self.swapper
+        num_swapped = len(self.swapped) if swapper is not None else 0
+        if len(running) + len(self.waiting) + num_swapped <= 1:
             threshold = 0
 
         # 1. RUNNING requests.
@@ -159,8 +161,7 @@ class Scheduler:
             req_index += 1
 
         # 1b. SWAPPED requests (swap preemption only), unless this step had to preempt.
-        swapper = self.swapper
-        if swapper is not None and not preempted and len(self.swapped):
+        if num_swapped and not preempted:
             token_budget = self._schedule_swapped(token_budget, threshold, num_scheduled)
 
         # 2. WAITING requests, unless this step had to preempt; while swapped requests wait
@@ -168,10 +169,10 @@ class Scheduler:
         num_query_tokens = num_hit_tokens = num_resumed_hit_tokens = 0
         if not preempted:
             waiting = self.waiting
-            swapped = self.swapped
+            swapped = self.swapped if swapper is not None else None
             while token_budget > 0 and len(waiting) and len(running) < self.max_num_seqs:
                 request = waiting.peek()
-                if len(swapped) and not self.policy.ahead_of_swapped(request, swapped.peek()):
+                if swapped and not self.policy.ahead_of_swapped(request, swapped.peek()):
                     break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
                 num_new = request.num_tokens - num_hit

@@ -10,36 +10,14 @@ import pytest
 
 from sim.runner import simulate
 from sim.scenario import parse_scenario
+from tests.sim.test_swap import PRESSURE, scenario_with
 
-BASE: dict[str, Any] = {
-    "name": "policies",
-    "seed": 7,
-    "model": "Llama-3.1-8B",
-    "hardware": "H100-SXM-80GB",
-    "engine": {
-        "max_model_len": 2048,
-        "max_num_seqs": 64,
-        "max_num_batched_tokens": 2048,
-        "num_gpu_blocks_override": 300,
-    },
-    "workload": {
-        "kind": "agent_sessions",
-        "sessions": 24,
-        "session_arrival": {"kind": "burst", "at_s": 0.0},
-        "turns": {"kind": "fixed", "value": 3},
-        "system_prompt_tokens": 200,
-        "tool_schema_tokens": 100,
-        "user_message_tokens": {"kind": "uniform", "low": 20, "high": 120},
-        "tool_result_tokens": {"kind": "uniform", "low": 50, "high": 300},
-        "output_tokens": {"kind": "uniform", "low": 50, "high": 250},
-        "tool_latency": {"kind": "fixed", "value_s": 0.2},
-        "max_context_tokens": 2048,
-        "priority_classes": [
-            {"name": "interactive", "priority": 0, "weight": 0.3},
-            {"name": "background", "priority": 1, "weight": 0.7},
-        ],
-    },
-}
+# test_swap's pressure scenario, its sessions in two priority classes.
+BASE: dict[str, Any] = copy.deepcopy(PRESSURE)
+BASE["workload"]["priority_classes"] = [
+    {"name": "interactive", "priority": 0, "weight": 0.3},
+    {"name": "background", "priority": 1, "weight": 0.7},
+]
 SWAP = {"preemption_mode": "swap", "swap_space_gib": 1.0}
 TTL = {"kv_retention": {"policy": "ttl", "ttl_s": 5}}
 FLOOR = {"kv_retention": {"policy": "free_floor", "ttl_s": 5, "free_floor": 0.2}}
@@ -47,8 +25,7 @@ PRIORITY = {"scheduling_policy": "priority"}
 
 
 def scenario(engine: dict[str, Any], fleet: dict[str, Any] | None = None) -> dict[str, Any]:
-    raw = copy.deepcopy(BASE)
-    raw["engine"].update(engine)
+    raw = scenario_with(BASE, **engine)
     if fleet is not None:
         raw["fleet"] = fleet
     return raw
