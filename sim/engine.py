@@ -6,20 +6,23 @@ finished requests, their completion events). When nothing is queued the engine s
 until the next arrival; the step that wakes it is priced as after idle (see CostModel).
 This module and the workload processes are the only simpy users.
 
-Fast path (the default): a *decode stretch* is a run of steps in which nothing the
-scheduler reacts to can happen: every running request decodes one token, nobody can be
-admitted (the waiting queue is empty, ``max_num_seqs`` / the token budget is full, or the
-queue's head does not fit in the free blocks and no block it could hit gets registered), no
-request reaches its output length or ``max_model_len`` before the stretch's last step, the
-free queue covers every block the stretch needs (so nobody is preempted), no SimPy event
-(an arrival, a tool-call wake-up) falls inside it and it ends before the engine's horizon
-(the run's time limit). Such a stretch is advanced in bulk: step durations from the cost
-model one after the other, block-boundary allocations and prefix-cache registrations in
+Fast path (the default): a *stretch* is a run of steps in which nothing the scheduler
+reacts to can happen: every running request decodes one token, except perhaps the last one
+(the request admitted last), which computes its prompt in chunks that do not reach its end;
+nobody can be admitted (the waiting queue is empty, ``max_num_seqs`` / the token budget is
+full, or the queue's head does not fit in the free blocks and no block it could hit gets
+registered); no decode reaches its output length or ``max_model_len`` before the stretch's
+last step; the free queue covers every block the stretch needs (so nobody is preempted); no
+SimPy event (an arrival, a tool-call wake-up) falls inside it and it ends before the
+engine's horizon (the run's time limit). Such a stretch is advanced in bulk: step durations
+from the cost model one after the other, block allocations and prefix-cache registrations in
 the order vLLM's scheduler makes them (step by step, running requests in order), the
 finishing requests of its last step freed in running order, and one SimPy timeout to the
-exact end time the step-by-step path reaches. ``Engine(..., fast=False)`` runs every step
-through :meth:`Scheduler.schedule`, the reference the fast path is tested against
-(``tests/sim/test_fast_path.py``): both give identical step and request tables.
+exact end time the step-by-step path reaches. The chunk that ends a prompt (it samples a
+token) and every step that admits or preempts go through
+:meth:`Scheduler.schedule`. ``Engine(..., fast=False)`` runs every step through it, the
+reference the fast path is tested against (``tests/sim/test_fast_path.py``): both give
+identical step and request tables.
 
 Swap preemption (a what-if, ``engine.preemption_mode=swap``): a step that copies KV blocks
 between HBM and the CPU swap pool lasts the model's time plus the copies' time (the cost
@@ -36,7 +39,7 @@ from typing import Any, Protocol
 
 import simpy
 
-from sim.recorder import Recorder
+from sim.recorder import Recorder, StretchBatch
 from sim.request import Request
 from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler
@@ -89,6 +92,7 @@ class Engine(SinkBase):
         self.horizon_s = math.inf
         self.num_stretches = 0
         self.num_stretch_steps = 0
+        self.num_prefill_stretch_steps = 0  # of which a prefill chunk ran in
         self._stretch_end_s = 0.0
         self._done: dict[str, simpy.Event] = {}
         self.process = env.process(self._run())
@@ -164,7 +168,7 @@ class Engine(SinkBase):
 
     # -- decode stretches ---------------------------------------------------------------------
     def _plan_stretch(self, since_prefill: int) -> tuple[list[float], int, list[Request]] | None:
-        """Advance a decode stretch in bulk if one starts now (see the module docstring).
+        """Advance a stretch in bulk if one starts now (see the module docstring).
 
         Returns (its step durations, steps since prefill after it, requests finished in its
         last step) and sets ``_stretch_end_s``, or None when the next step must go through
@@ -173,33 +177,73 @@ class Engine(SinkBase):
         scheduler = self.scheduler
         running = scheduler.running
         num_running = len(running)
-        if not num_running or num_running > scheduler.max_num_batched_tokens:
+        max_num_batched_tokens = scheduler.max_num_batched_tokens
+        if not num_running or num_running > max_num_batched_tokens:
             return None
-        kv = scheduler.kv_cache_manager
-        head_miss: int | None = None
-        if len(scheduler.waiting) and (
-            num_running < scheduler.max_num_seqs and num_running < scheduler.max_num_batched_tokens
-        ):
-            # The scheduler tries to admit the head of the queue every step: the stretch
-            # goes on only while that fails for want of free blocks (see admission_blocked).
-            blocked, head_miss = kv.admission_blocked(scheduler.waiting.peek())
-            if not blocked:
-                return None
         max_model_len = scheduler.max_model_len
-        # Steps until each request finishes (its f-th step from now samples its last token).
+        # The batch: every running request decodes, but the last may compute a prefill chunk
+        # (the request admitted last, working through a long prompt). Checked first: a batch
+        # that is neither (a step that admitted, a prefill ending) is told apart in a few
+        # microseconds, the queue head's admission below costs a prefix lookup.
+        chunked: Request | None = running[-1]
+        num_tokens = len(chunked.token_ids)
+        if chunked.num_computed_tokens == num_tokens - 1 and num_tokens > chunked.num_prompt_tokens:
+            chunked = None
+        decoders = running if chunked is None else running[:-1]
+        # Steps until each decode finishes (its f-th step from now samples its last token).
         k_cap = 1 << 62
-        for request in running:
+        for request in decoders:
             num_tokens = len(request.token_ids)
             if (
                 request.num_computed_tokens != num_tokens - 1
                 or num_tokens <= request.num_prompt_tokens
             ):
-                return None  # a prefill (or a resumed recompute) is in the batch
+                return None  # a prefill (or a resumed recompute) before the last request
             left = request.max_tokens - (num_tokens - request.num_prompt_tokens)
             if max_model_len - num_tokens < left:
                 left = max_model_len - num_tokens
             if left < k_cap:
                 k_cap = left
+        num_decode = len(decoders)
+        # The prefill's chunks, as Scheduler.schedule sizes them with the decodes ahead of it
+        # in the budget, for as long as a chunk leaves part of the prompt to compute: the
+        # chunk that ends the prompt samples a token and goes through the scheduler.
+        chunks: list[int] = []
+        budget = max_num_batched_tokens - num_decode
+        can_admit = budget > 0  # a decode-only step leaves budget to admit with
+        if chunked is not None:
+            threshold = scheduler.long_prefill_token_threshold
+            if num_running + len(scheduler.waiting) <= 1:
+                threshold = 0  # nobody else to starve: vLLM lifts the cap
+            computed = chunked.num_computed_tokens
+            num_tokens = len(chunked.token_ids)
+            can_admit = False
+            while len(chunks) < k_cap:
+                num_new = num_tokens - computed
+                if 0 < threshold < num_new:
+                    num_new = threshold
+                if num_new > budget:
+                    num_new = budget
+                if num_new > max_model_len - computed - 1:
+                    num_new = max_model_len - computed - 1
+                if num_new <= 0 or computed + num_new >= num_tokens:
+                    break
+                if num_new < budget:
+                    can_admit = True
+                chunks.append(num_new)
+                computed += num_new
+            k_cap = len(chunks)
+        if k_cap < MIN_STRETCH_STEPS:
+            return None
+        kv = scheduler.kv_cache_manager
+        head_miss: int | None = None
+        if len(scheduler.waiting) and num_running < scheduler.max_num_seqs and can_admit:
+            # The scheduler tries to admit the head of the queue every step that leaves
+            # budget: the stretch goes on only while that fails for want of free blocks
+            # (see admission_blocked).
+            blocked, head_miss = kv.admission_blocked(scheduler.waiting.peek())
+            if not blocked:
+                return None
         recorder = self.recorder
         block_map = recorder.block_map
         first_step = scheduler.num_steps + 1
@@ -220,26 +264,38 @@ class Engine(SinkBase):
         next_event_s = env.peek()
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
-        context0 = 0
-        for request in running:
-            context0 += request.num_computed_tokens
-        shape = BatchShape(0, 0, 0.0, num_running, context0)
+        decode_context0 = 0
+        for request in decoders:
+            decode_context0 += request.num_computed_tokens
+        shape = BatchShape(0, 0, 0.0, num_decode, decode_context0)
+        prefill_context = chunked.num_computed_tokens if chunked is not None else 0
         now_s = env.now
         starts: list[float] = []
         ends: list[float] = []
         durations: list[float] = []
+        pairs: list[float] = []
         step_since_prefill = since_prefill
         num_steps = 0
         while num_steps < k_cap:
             if num_steps and now_s >= next_event_s:
                 break
-            if step_since_prefill >= 0:
+            shape.decode_context_tokens = decode_context0 + num_decode * num_steps
+            if chunks:
+                n = chunks[num_steps]
+                # As Scheduler.schedule sums it (from 0.0) for its one prefill.
+                shape.num_prefill_tokens = n
+                shape.num_prefill_reqs = 1
+                shape.prefill_attention_pairs = n * (prefill_context + n / 2)
+                step_since_prefill = 0
+            elif step_since_prefill >= 0:
                 step_since_prefill += 1
-            shape.decode_context_tokens = context0 + num_running * num_steps
             duration_s = step_time_s(shape, False, step_since_prefill)
             end_s = now_s + duration_s
             if end_s > horizon_s:
                 break
+            if chunks:
+                pairs.append(shape.prefill_attention_pairs)
+                prefill_context += n
             durations.append(duration_s)
             starts.append(now_s)
             ends.append(end_s)
@@ -253,16 +309,26 @@ class Engine(SinkBase):
         tables = kv.req_to_blocks
         # New blocks (step, running index): a block is popped from the free queue when the
         # token at its start is computed. vLLM pops inside allocate_slots, step by step,
-        # request by request.
+        # request by request (the prefill last: it is last in the batch).
         pops: list[tuple[int, int]] = []
         num_held = 0
-        for index, request in enumerate(running):
+        for index, request in enumerate(decoders):
             num_blocks = len(tables[request.request_id])
             num_held += num_blocks
             k = num_blocks * block_size - request.num_computed_tokens
             while k < num_steps:
                 pops.append((k, index))
                 k += block_size
+        if chunked is not None:
+            held = len(tables[chunked.request_id])
+            num_held += held
+            computed = chunked.num_computed_tokens
+            for k in range(num_steps):
+                computed += chunks[k]
+                # allocate_slots' num_tokens_need_slot (under max_model_len: see the chunks).
+                while held * block_size < computed:
+                    pops.append((k, num_decode))
+                    held += 1
         num_free = pool.num_free_blocks
         if pops:
             pops.sort()
@@ -273,14 +339,21 @@ class Engine(SinkBase):
                     return None
                 del starts[num_steps:], ends[num_steps:], durations[num_steps:]
                 pops = [pop for pop in pops if pop[0] < num_steps]
-        if since_prefill >= 0:
+        del chunks[num_steps:], pairs[num_steps:]
+        if chunks:
+            since_prefill = 0
+        elif since_prefill >= 0:
             since_prefill += num_steps
 
         # Apply: tokens, blocks and cache registrations, in vLLM's order.
-        num_hashes = [len(request.block_hashes) for request in running]
-        for request in running:
+        num_hashes = [len(request.block_hashes) for request in decoders]
+        for request in decoders:
             request.append_output_token_ids(num_steps)
             request.num_computed_tokens += num_steps
+        prefill_context0 = 0
+        if chunked is not None:
+            prefill_context0 = chunked.num_computed_tokens
+            chunked.num_computed_tokens += sum(chunks)
         pops_by_step = [0] * num_steps
         if kv.enable_caching:
             num_cached = kv.num_cached_block
@@ -291,11 +364,13 @@ class Engine(SinkBase):
                 ]
             if head_miss is not None and head_miss in new_hashes:
                 # The queue's head would hit this block once registered: undo, step by step.
-                for request, n in zip(running, num_hashes, strict=True):
+                for request, n in zip(decoders, num_hashes, strict=True):
                     del request.token_ids[-num_steps:], request.block_hashes[n:]
                     request.num_computed_tokens -= num_steps
+                if chunked is not None:
+                    chunked.num_computed_tokens = prefill_context0
                 return None
-            self._apply_blocks_caching(running, pops, pops_by_step, new_hashes)
+            self._apply_blocks_caching(running, pops, pops_by_step, new_hashes, chunks)
         else:
             new_blocks = pool.get_new_blocks(len(pops)) if pops else []
             for (k, index), block in zip(pops, new_blocks, strict=True):
@@ -309,11 +384,13 @@ class Engine(SinkBase):
         scheduler.num_steps += num_steps
         self.num_stretches += 1
         self.num_stretch_steps += num_steps
+        if chunks:
+            self.num_prefill_stretch_steps += num_steps
 
-        # The last step may finish requests: as update_from_output, in running order.
+        # The last step may finish decodes: as update_from_output, in running order.
         finished: list[Request] = []
         requests = scheduler.requests
-        for request in running:
+        for request in decoders:
             num_tokens = len(request.token_ids)
             if (
                 num_tokens - request.num_prompt_tokens >= request.max_tokens
@@ -330,9 +407,8 @@ class Engine(SinkBase):
             first_step,
             starts,
             ends,
-            running,
+            StretchBatch(decoders, decode_context0, chunks, pairs, prefill_context0),
             finished,
-            context0,
             num_held,
             pops_by_step,
             kv_free_counts,
@@ -349,6 +425,7 @@ class Engine(SinkBase):
         pops: list[tuple[int, int]],
         pops_by_step: list[int],
         new_hashes: list[int],
+        chunks: list[int],
     ) -> None:
         """Pop a stretch's new blocks and register its newly full blocks (prefix caching on).
 
@@ -356,7 +433,8 @@ class Engine(SinkBase):
         are cached now; registrations only add hashes. When no hash registered in the stretch
         is cached now or registered twice, the two never meet, so all pops (in order) then
         all registrations (request by request) leave the same pool; otherwise the events are
-        replayed one by one in vLLM's order.
+        replayed one by one in vLLM's order. ``chunks``: the last request's prefill chunks,
+        one per step (empty when every request decodes).
         """
         kv = self.scheduler.kv_cache_manager
         pool = kv.block_pool
@@ -374,22 +452,30 @@ class Engine(SinkBase):
                 for request in running:
                     kv.cache_blocks(request, request.num_computed_tokens)
             return
-        # Events (step, running index, kind): kind 0 = a new block popped, kind 1 = full
-        # blocks registered (at once if already past: k clamps to 0).
+        # Events (step, running index, kind, tokens): kind 0 = a new block popped, kind 1 =
+        # full blocks registered up to that many computed tokens (a decode's at once if
+        # already past: k clamps to 0; the prefill's after each of its chunks).
         num_steps = len(pops_by_step)
-        events: list[tuple[int, int, int]] = [(k, index, 0) for k, index in pops]
-        for index, request in enumerate(running):
+        events: list[tuple[int, int, int, int]] = [(k, index, 0, 0) for k, index in pops]
+        decoders = running[:-1] if chunks else running
+        for index, request in enumerate(decoders):
             computed0 = request.num_computed_tokens - num_steps
             k = (num_cached[request.request_id] + 1) * block_size - computed0 - 1
             while k < num_steps:
-                events.append((k if k > 0 else 0, index, 1))
+                k0 = k if k > 0 else 0
+                events.append((k0, index, 1, computed0 + k0 + 1))
                 k += block_size
+        if chunks:
+            computed = running[-1].num_computed_tokens - sum(chunks)
+            for k, n in enumerate(chunks):
+                computed += n
+                events.append((k, len(decoders), 1, computed))
         events.sort()
         get_new_blocks = pool.get_new_blocks
-        for k, index, kind in events:
+        for k, index, kind, num_tokens in events:
             request = running[index]
             if kind == 0:
                 tables[request.request_id] += get_new_blocks(1)
                 pops_by_step[k] += 1
             else:
-                kv.cache_blocks(request, request.num_computed_tokens - num_steps + k + 1)
+                kv.cache_blocks(request, num_tokens)

@@ -14,7 +14,7 @@ import math
 from array import array
 from collections.abc import Sequence
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -71,6 +71,17 @@ class RequestRecord:
         self.cached_tokens = -1  # prefix-hit tokens at first admission; -1 until admitted
         self.num_preemptions = 0
         self.token_times_s = array("d")
+
+
+class StretchBatch(NamedTuple):
+    """The batch of every step of an engine stretch: running requests that decode (in
+    running order), and at most one prefill, the last running request, by chunks."""
+
+    decoders: Sequence[Request]
+    decode_context0: int  # the decodes' summed context before the stretch
+    prefill_chunks: Sequence[int]  # tokens the prefill computes each step; empty: none
+    prefill_pairs: Sequence[float]  # its prefill_attention_pairs each step
+    prefill_context0: int  # its computed tokens before the stretch (0 without one)
 
 
 class Recorder:
@@ -157,9 +168,8 @@ class Recorder:
         first_step: int,
         starts: Sequence[float],
         ends: Sequence[float],
-        running: Sequence[Request],
+        batch: StretchBatch,
         finished: Sequence[Request],
-        context0: int,
         num_held_blocks: int,
         new_blocks_by_step: Sequence[int],
         free_blocks_by_step: Sequence[int],
@@ -167,17 +177,19 @@ class Recorder:
         num_waiting: int,
         scheduler: Scheduler,
     ) -> None:
-        """Record a decode stretch (see ``sim.engine``): ``len(starts)`` steps in which every
-        request of ``running`` (the batch, in order) decoded one token, the rows
-        :meth:`on_step` would have written one step at a time. ``finished`` finished in
-        the last step; ``scheduler`` is in its state after that step."""
+        """Record a stretch (see ``sim.engine``): ``len(starts)`` steps of the same batch,
+        the rows :meth:`on_step` would have written one step at a time. ``finished``
+        finished in the last step; ``scheduler`` is in its state after that step."""
         assert not self._swap_columns, "a swap-preemption run takes no decode stretches"
         num_steps = len(starts)
-        num_running = len(running)
+        decoders = batch.decoders
+        num_decode = len(decoders)
+        chunks = batch.prefill_chunks
+        num_running = num_decode + (1 if chunks else 0)
         block_size = self.block_size
         steps = self.steps
         records = self.requests
-        for request in running:
+        for request in decoders:
             records[request.request_id].token_times_s.extend(ends)
         end_s = ends[-1]
         for request in finished:
@@ -186,13 +198,17 @@ class Recorder:
         steps["step"].extend(range(first_step, first_step + num_steps))
         steps["start_s"].extend(starts)
         steps["duration_s"].extend([e - s for s, e in zip(starts, ends, strict=True)])
-        steps["num_prefill_tokens"].extend(zeros)
-        steps["num_decode_tokens"].extend(array("q", [num_running]) * num_steps)
-        steps["num_prefill_reqs"].extend(zeros)
-        steps["decode_context_tokens"].extend(
-            range(context0, context0 + num_running * num_steps, num_running)
-        )
-        steps["prefill_attention_pairs"].extend(array("d", bytes(8 * num_steps)))
+        steps["num_decode_tokens"].extend(array("q", [num_decode]) * num_steps)
+        context0 = batch.decode_context0
+        steps["decode_context_tokens"].extend([context0 + num_decode * k for k in range(num_steps)])
+        if chunks:
+            steps["num_prefill_tokens"].extend(chunks)
+            steps["num_prefill_reqs"].extend(array("q", [1]) * num_steps)
+            steps["prefill_attention_pairs"].extend(batch.prefill_pairs)
+        else:
+            steps["num_prefill_tokens"].extend(zeros)
+            steps["num_prefill_reqs"].extend(zeros)
+            steps["prefill_attention_pairs"].extend(array("d", bytes(8 * num_steps)))
         steps["num_requests_running"].extend(array("q", [num_running]) * num_steps)
         steps["num_requests_waiting"].extend(array("q", [num_waiting]) * num_steps)
         usable = num_gpu_blocks - 1
@@ -205,10 +221,10 @@ class Recorder:
         # step is read off the scheduler (its finished requests are gone from the batch).
         unused = steps["kv_unused_slots"]
         held = num_held_blocks
-        computed = context0
-        for new_blocks in new_blocks_by_step[:-1]:
+        computed = context0 + batch.prefill_context0
+        for k, new_blocks in enumerate(new_blocks_by_step[:-1]):
             held += new_blocks
-            computed += num_running
+            computed += num_decode + (chunks[k] if chunks else 0)
             unused.append(held * block_size - computed)
         tables = scheduler.kv_cache_manager.req_to_blocks
         still_running = scheduler.running

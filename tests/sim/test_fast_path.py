@@ -137,6 +137,40 @@ def test_fast_path_gives_the_step_by_step_results(raw: dict[str, Any]) -> None:
     assert_identical(simulate(scenario), simulate(scenario, exact_reference=True))
 
 
+@st.composite
+def long_prompt_scenarios(draw: st.DrawFn) -> dict[str, Any]:
+    """Prompts many token budgets long, so the running batch often holds a prefill working
+    through its prompt chunk by chunk beside the decodes (the prefill stretches)."""
+    raw = draw(scenarios())
+    engine = raw["engine"]
+    engine["max_model_len"] = 2048
+    engine["max_num_batched_tokens"] = draw(st.sampled_from([32, 64, 128, 256]))
+    engine["long_prefill_token_threshold"] = draw(st.sampled_from([0, 0, 24, 100]))
+    engine["max_num_seqs"] = draw(st.sampled_from([4, 16, 32]))
+    if "num_gpu_blocks_override" in engine:
+        blocks = -(-2048 // engine["block_size"]) + 1
+        engine["num_gpu_blocks_override"] = blocks + draw(st.integers(0, 2 * blocks))
+    workload = raw["workload"]
+    if workload["kind"] == "open_loop":
+        workload["prompt_tokens"] = length(draw, 200, 1200)
+        workload["output_tokens"] = length(draw, 1, 200)
+    else:
+        workload["tool_result_tokens"] = length(draw, 100, 400)
+        workload["max_context_tokens"] = 2048
+    return raw
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(long_prompt_scenarios())
+def test_prefill_stretches_give_the_step_by_step_results(raw: dict[str, Any]) -> None:
+    scenario = parse_scenario(raw, "prefill-stretches")
+    assert_identical(simulate(scenario), simulate(scenario, exact_reference=True))
+
+
 @pytest.fixture
 def stretch_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Steps the engines of the test ran as decode stretches."""
@@ -181,6 +215,48 @@ def test_a_decode_heavy_run_goes_mostly_through_stretches_with_identical_results
     num_steps = fast.summary["metrics"]["num_steps"]
     assert stretch_counter, "no decode stretch was taken"
     assert stretch_counter[-1] > num_steps // 2
+    assert_identical(fast, simulate(scenario, exact_reference=True))
+
+
+# A 96-token long-prefill cap leaves budget to admit with: those chunks stretch only while
+# nobody waits.
+@pytest.mark.parametrize(("threshold", "min_stretch_steps"), [(0, 10), (96, 1)])
+def test_a_long_prompt_beside_decodes_is_chunked_in_prefill_stretches(
+    threshold: int, min_stretch_steps: int
+) -> None:
+    # Long prompts arrive while others decode: with a 256-token budget a 3,000-token prompt
+    # takes ~12 steps, all but the last one stretch steps when nothing else happens.
+    engines: list[sim.engine.Engine] = []
+    init = sim.engine.Engine.__init__
+
+    def keep(self: sim.engine.Engine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        engines.append(self)
+
+    raw = {
+        "name": "long-prompt",
+        "seed": 5,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {
+            "max_model_len": 4096,
+            "max_num_batched_tokens": 256,
+            "long_prefill_token_threshold": threshold,
+        },
+        "workload": {
+            "kind": "open_loop",
+            "num_requests": 6,
+            "arrival": {"kind": "poisson", "rate_per_s": 20.0},
+            "prompt_tokens": {"kind": "uniform", "low": 100, "high": 3000},
+            "output_tokens": {"kind": "fixed", "value": 200},
+        },
+    }
+    scenario = parse_scenario(raw, "long-prompt")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sim.engine.Engine, "__init__", keep)
+        fast = simulate(scenario)
+    (engine,) = engines
+    assert engine.num_prefill_stretch_steps >= min_stretch_steps
     assert_identical(fast, simulate(scenario, exact_reference=True))
 
 
