@@ -58,7 +58,10 @@ def claims(
             console=err_console,
             disable=quiet or not err_console.is_terminal,
         ) as bar:
-            task = bar.add_task("claims: simulations", total=None)
+            task = bar.add_task("claims", total=None)
+
+            def phase(name: str, num_tasks: int) -> None:
+                bar.reset(task, total=num_tasks, description=f"claims: {name}")
 
             def done(item: Task, result: dict[str, Any]) -> None:
                 what = f"{item.group}/{item.key}"
@@ -66,7 +69,7 @@ def claims(
                     err_console.print(f"  {what}: {result['error']}", highlight=False)
                 bar.update(task, advance=1, description=f"claims: {what} done")
 
-            study = run_study(source, workers or default_workers(), done)
+            study = run_study(source, workers or default_workers(), done, phase)
         report = write_report(study, out)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None

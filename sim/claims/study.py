@@ -168,9 +168,11 @@ def run_study(
     path: Path,
     workers: int,
     on_done: Callable[[Task, dict[str, Any]], None] | None = None,
+    on_phase: Callable[[str, int], None] | None = None,
 ) -> Study:
     """Both phases on the scenario at ``path``; raises KvsimConfigError when the scenario
-    cannot be searched (no SLO, no load knob) or vLLM holds no load at all."""
+    cannot be searched (no SLO, no load knob) or vLLM holds no load at all. ``on_done``
+    runs as each task finishes; ``on_phase(name, num_tasks)`` before each phase."""
     scenario = load_scenario(path, [])
     sizing = check_runnable(scenario, str(path))
     if not scenario.slos.model_dump(exclude_none=True):
@@ -178,7 +180,10 @@ def run_study(
     knob = default_knob(scenario)
     study = Study(scenario, knob.field)
     report = on_done or (lambda task, result: None)
-    first = _run_tasks(path, plan_first_phase(), workers, report)
+    phase = on_phase or (lambda name, num_tasks: None)
+    searches = plan_first_phase()
+    phase("capacity searches", len(searches))
+    first = _run_tasks(path, searches, workers, report)
     study.capacity = {key: result for (_, key), result in first.items()}
     vllm = study.capacity["vllm"]
     if "error" in vllm or vllm.get("capacity") is None:
@@ -188,5 +193,7 @@ def run_study(
         )
     study.base_rate = float(vllm["capacity"])
     ample = min(sizing.num_gpu_blocks * AMPLE_FACTOR, MAX_NUM_GPU_BLOCKS)
-    study.runs = _run_tasks(path, plan_second_phase(study, ample), workers, report)
+    runs = plan_second_phase(study, ample)
+    phase("runs", len(runs))
+    study.runs = _run_tasks(path, runs, workers, report)
     return study

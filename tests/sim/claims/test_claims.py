@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from sim.capacity import find_capacity
 from sim.claims import render
+from sim.claims import study as study_module
 from sim.claims.render import pressure_rows, render_markdown, sessions_rows
 from sim.claims.study import (
     AMPLE_FACTOR,
@@ -135,12 +136,30 @@ def test_tables_come_from_the_study() -> None:
             assert variant.missing_reason() in text
 
 
-def test_the_report_end_to_end(tmp_path: Path) -> None:
+def test_the_report_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The progress bar's phases: each announces its task count, and that many finish in it.
+    phases: list[list[Any]] = []
+    run_study = study_module.run_study
+
+    def watched(path: Path, workers: int, on_done: Any, on_phase: Any) -> Study:
+        def phase(name: str, num_tasks: int) -> None:
+            phases.append([name, num_tasks, 0])
+            on_phase(name, num_tasks)
+
+        def done(task: Any, result: dict[str, Any]) -> None:
+            phases[-1][2] += 1
+            on_done(task, result)
+
+        return run_study(path, workers, done, phase)
+
+    monkeypatch.setattr(study_module, "run_study", watched)
     out = tmp_path / "claims"
     result = runner.invoke(
         app, ["report", "claims", "--scenario", str(TINY), "--out", str(out), "--workers", "2"]
     )
     assert result.exit_code == 0, result.output
+    assert [name for name, _, _ in phases] == ["capacity searches", "runs"]
+    assert all(total == finished > 0 for _, total, finished in phases)
     assert sorted(p.name for p in out.iterdir()) == [
         "claims.json",
         "claims.md",
