@@ -230,24 +230,27 @@ def overlay_timeline_figure(
     return _layout(fig, 320)
 
 
-def state_legend(classes: list[str], retained: bool = False) -> list[tuple[str, str]]:
-    """(label, colour) of each block state: free, cached-but-free, one per class, and with
-    ``retained`` the what-if KV retention's held blocks last."""
+def state_legend(
+    classes: list[str], retained: bool = False, owner: str = "running"
+) -> list[tuple[str, str]]:
+    """(label, colour) of each block state: free, cached-but-free, one per class (``owner``
+    names who holds the block: a running request in HBM, a swapped-out one in the CPU swap
+    pool), and with ``retained`` the what-if KV retention's held blocks last."""
     out = [("free", FREE_COLOR), ("prefix-cached (free)", CACHED_COLOR)]
     for k, name in enumerate(classes):
-        out.append((f"running: {name}", CLASS_COLORS[k % len(CLASS_COLORS)]))
+        out.append((f"{owner}: {name}", CLASS_COLORS[k % len(CLASS_COLORS)]))
     if retained:
         out.append(("retained for a returning session (what-if)", RETAINED_COLOR))
     return out
 
 
 def block_states(
-    states: np.ndarray, classes: list[str]
+    states: np.ndarray, classes: list[str], owner: str = "running"
 ) -> tuple[np.ndarray, list[tuple[str, str]]]:
     """Block-map codes (``sim/block_map.py``) as indices into their legend: retained blocks
     (code 255) get the last entry, present only when the map has any."""
     retained = states == RETAINED
-    legend = state_legend(classes, retained=bool(retained.any()))
+    legend = state_legend(classes, retained=bool(retained.any()), owner=owner)
     z = np.minimum(states, len(legend) - 1 - int(retained.any()))
     if retained.any():
         z = np.where(retained, len(legend) - 1, z)
@@ -299,28 +302,32 @@ def block_map_figure(
     selected: int | None = None,
     max_times: int = 600,
     max_blocks: int = 512,
+    owner: str = "running",
+    pool: str = "block",
 ) -> tuple[go.Figure, str | None]:
-    """HBM block map: block index (y) over time (x), coloured by block state.
+    """HBM block map: block index (y) over time (x), coloured by block state (``owner`` and
+    ``pool`` name the holders and the axis: "swapped out" and "CPU block" for the CPU swap
+    pool's map).
 
     Large maps are shown every k-th snapshot / block; the returned note says so (None when
     every cell is shown). ``selected`` marks one snapshot with a vertical line.
     """
     t_idx, t_stride = strided(len(times_s), max_times)
     b_idx, b_stride = strided(states.shape[1], max_blocks)
-    z, legend = block_states(states[np.ix_(t_idx, b_idx)].T, classes)
+    z, legend = block_states(states[np.ix_(t_idx, b_idx)].T, classes, owner)
     fig = go.Figure(
         _state_heatmap(
             z,
             times_s[t_idx],
             b_idx,
             legend,
-            hovertemplate="t=%{x:.2f} s<br>block %{y}<br>state %{z}<extra></extra>",
+            hovertemplate=f"t=%{{x:.2f}} s<br>{pool} %{{y}}<br>state %{{z}}<extra></extra>",
         )
     )
     if selected is not None:
         fig.add_vline(x=float(times_s[selected]), line={"color": "black", "width": 2})
     fig.update_xaxes(title_text=TIME_AXIS)
-    fig.update_yaxes(title_text="block index")
+    fig.update_yaxes(title_text=f"{pool} index")
     parts = [
         f"{len(idx):,} of {total:,} {what} (every {ordinal(stride)})"
         for idx, total, stride, what in (

@@ -193,6 +193,8 @@ class BlockMap:
     times_s: np.ndarray
     states: np.ndarray
     classes: list[str]
+    # The CPU swap pool's blocks per snapshot (swap-preemption runs only), else None.
+    cpu_states: np.ndarray | None = None
 
 
 def read_block_map(path: Path) -> BlockMap | None:
@@ -203,14 +205,23 @@ def read_block_map(path: Path) -> BlockMap | None:
     try:
         with np.load(file, allow_pickle=False) as npz:
             times, states, classes = npz["times_s"], npz["states"], npz["classes"]
+            cpu = npz["cpu_states"] if "cpu_states" in npz.files else None
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{file}: cannot read block map: {exc}") from None
-    if times.ndim != 1 or states.ndim != 2 or states.shape[0] != times.shape[0]:
-        raise ValueError(
-            f"{file}: states must be [T, num_blocks] with T = len(times_s); got "
-            f"times_s {times.shape}, states {states.shape}"
-        )
-    return BlockMap(times.astype(float), states.astype(np.uint8), [str(c) for c in classes])
+    for name, array in (("states", states), ("cpu_states", cpu)):
+        if array is not None and (
+            times.ndim != 1 or array.ndim != 2 or array.shape[0] != times.shape[0]
+        ):
+            raise ValueError(
+                f"{file}: {name} must be [T, num_blocks] with T = len(times_s); got "
+                f"times_s {times.shape}, {name} {array.shape}"
+            )
+    return BlockMap(
+        times.astype(float),
+        states.astype(np.uint8),
+        [str(c) for c in classes],
+        None if cpu is None else cpu.astype(np.uint8),
+    )
 
 
 @st.cache_data(max_entries=4, show_spinner="Loading block map...")

@@ -7,8 +7,13 @@ request. Snapshots are taken every ``interval``
 steps; when more than ``max_snapshots`` pile up, every other one is dropped and the interval
 doubles, so a run of any length keeps an evenly spaced map of bounded size.
 
-Written as ``block_map.npz`` (``times_s``, ``steps``, ``states``, ``classes``) next to the
-run's other files; measured runs have none.
+A swap-preemption run (a what-if) also snapshots its CPU swap pool, one uint8 per CPU block:
+0 free, 2+k holding the KV of a swapped-out request of class k (``cpu_states``): the swapped
+KV lives on the host, so it is a map of its own beside the HBM one, where a swapped-out
+request's blocks are freed.
+
+Written as ``block_map.npz`` (``times_s``, ``steps``, ``states``, ``classes``, and
+``cpu_states`` for swap runs) next to the run's other files; measured runs have none.
 """
 
 from __future__ import annotations
@@ -38,7 +43,12 @@ class BlockMapRecorder:
         self.times_s: list[float] = []
         self.steps: list[int] = []
         self.states: list[np.ndarray] = []
+        self.cpu_states: list[np.ndarray] = []  # swap runs only, one per snapshot
         self.classes: dict[str, int] = {}
+
+    def owned_code(self, class_name: str) -> int:
+        """The state code of a block held for a request of this priority class."""
+        return min(OWNED_BASE + self.class_index(class_name), RETAINED - 1)
 
     def class_index(self, name: str) -> int:
         index = self.classes.get(name)
@@ -67,10 +77,7 @@ class BlockMapRecorder:
             if (blocks := kv.req_to_blocks.get(request.request_id))
         ]
         if owners:
-            codes = [
-                min(OWNED_BASE + self.class_index(class_of(request_id)), RETAINED - 1)
-                for request_id, _ in owners
-            ]
+            codes = [self.owned_code(class_of(request_id)) for request_id, _ in owners]
             lengths = [len(blocks) for _, blocks in owners]
             owned = np.fromiter(
                 chain.from_iterable(blocks for _, blocks in owners),
@@ -83,19 +90,27 @@ class BlockMapRecorder:
             for code, length in zip(codes, lengths, strict=True):
                 states[owned[start : start + length]] = code
                 start += length
+        if scheduler.swapper is not None:
+            cpu = scheduler.swapper.cpu
+            cpu_states = np.zeros(cpu.num_blocks, dtype=np.uint8)
+            for request_id, cpu_ids in cpu.tables.items():
+                cpu_states[cpu_ids] = self.owned_code(class_of(request_id))
+            self.cpu_states.append(cpu_states)
         self.times_s.append(now_s)
         self.steps.append(step)
         self.states.append(states)
         if len(self.states) > self.max_snapshots:
-            del self.times_s[1::2], self.steps[1::2], self.states[1::2]
+            del self.times_s[1::2], self.steps[1::2], self.states[1::2], self.cpu_states[1::2]
             self.interval *= 2
 
     def save(self, run_dir: Path) -> None:
         """Write ``block_map.npz`` into a run directory (or its staging folder)."""
-        np.savez_compressed(
-            Path(run_dir) / BLOCK_MAP_FILE,
-            times_s=np.asarray(self.times_s, dtype=np.float64),
-            steps=np.asarray(self.steps, dtype=np.int64),
-            states=np.stack(self.states) if self.states else np.zeros((0, 0), np.uint8),
-            classes=np.asarray(list(self.classes), dtype=str),
-        )
+        arrays = {
+            "times_s": np.asarray(self.times_s, dtype=np.float64),
+            "steps": np.asarray(self.steps, dtype=np.int64),
+            "states": np.stack(self.states) if self.states else np.zeros((0, 0), np.uint8),
+            "classes": np.asarray(list(self.classes), dtype=str),
+        }
+        if self.cpu_states:
+            arrays["cpu_states"] = np.stack(self.cpu_states)
+        np.savez_compressed(Path(run_dir) / BLOCK_MAP_FILE, **arrays)

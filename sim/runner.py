@@ -91,7 +91,7 @@ def _build_replica(
     if engine_cfg.kv_retention.policy != "none":
         scheduler.kv_cache_manager.enable_retention(engine_cfg.kv_retention, lambda: env.now)
     recorder = Recorder(engine_cfg.block_size, block_map)
-    # Waste is sampled in Scheduler.schedule, which decode stretches skip.
+    # Waste is sampled in Scheduler.schedule, which stretches skip.
     engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference and not waste)
     return Replica(index, engine)
 
@@ -107,7 +107,7 @@ def simulate(
 
     ``progress(sim_time_s, num_finished, expected_num_requests)`` is called every
     ``PROGRESS_INTERVAL_S`` simulated seconds. ``exact_reference`` runs every step through
-    the scheduler, without the engine's decode stretches (see ``sim.engine``): the
+    the scheduler, without the engine's stretches (see ``sim.engine``): the
     reference the fast path is tested against; results are identical, only slower.
     ``kv_waste`` adds the KV waste breakdown of the paged allocator to the summary (always
     there for a contiguous one; see ``sim.kv.waste``).

@@ -192,6 +192,26 @@ def _block_map(path: Path, fleet: bool) -> None:
     st.plotly_chart(
         charts.block_strip_figure(row, block_map.classes, float(times[index])), key="ex-strip"
     )
+    if block_map.cpu_states is not None:
+        _cpu_swap_pool(block_map.times_s, block_map.cpu_states, block_map.classes, index)
+
+
+def _cpu_swap_pool(times: np.ndarray, cpu: np.ndarray, classes: list[str], index: int) -> None:
+    """The CPU swap pool of a swap-preemption run (a what-if): swapped-out KV per block."""
+    st.subheader("CPU swap pool (what-if: swap preemption)")
+    if cpu.shape[1] == 0:
+        st.info("The swap pool has no blocks.")
+        return
+    fig, note = charts.block_map_figure(
+        times, cpu, classes, index, owner="swapped out", pool="CPU block"
+    )
+    st.plotly_chart(fig, key="ex-cpumap")
+    held = int(np.count_nonzero(cpu[index]))
+    st.caption(
+        f"t = {times[index]:,.2f} s: {held:,} of {cpu.shape[1]:,} CPU blocks hold swapped-out "
+        "KV (a swapped-out request's HBM blocks are freed, so the HBM map above does not show "
+        "them)." + (f" {note[0].upper()}{note[1:]}." if note else "")
+    )
 
 
 def _cdfs(view: RunView, replica: int | None) -> None:

@@ -61,3 +61,20 @@ def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         base / "fleet-small"
     )
     return base
+
+
+@pytest.fixture(scope="session")
+def swap_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A runs directory with one simulated swap-preemption run (a what-if), ``swap-small``:
+    priority-mix's 32 sessions on a pool small enough to swap, with its CPU swap pool map."""
+    base = tmp_path_factory.mktemp("swap-runs")
+    overrides = [
+        "workload.sessions=32",
+        "engine.num_gpu_blocks_override=2100",
+        "engine.preemption_mode=swap",
+        "engine.swap_space_gib=2",
+    ]
+    simulate(load_scenario(SCENARIO_DIR / "priority-mix.yaml", overrides)).write(
+        base / "swap-small"
+    )
+    return base

@@ -248,6 +248,30 @@ def test_run_explorer_fleet_run(fleet_run: Path, monkeypatch: pytest.MonkeyPatch
     assert "Time per phase" in " ".join(_texts(at.caption))
 
 
+def test_run_explorer_swap_run_shows_the_cpu_swap_pool(
+    swap_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(swap_run))
+    at = _page(_app(), "run_explorer")
+    assert not at.error, _texts(at.error)
+    heads = _texts(at.subheader)
+    cpu_head = "CPU swap pool (what-if: swap preemption)"
+    assert heads.index(cpu_head) == heads.index("HBM block map") + 1
+    assert len(_charts(at)) == 8  # the single-engine run's 7 and the CPU map
+    cpu = np.load(swap_run / "swap-small" / "block_map.npz")["cpu_states"]
+    snapshot = at.select_slider(key="ex-snapshot")
+    index = int(np.argmax(np.count_nonzero(cpu, axis=1)))  # the fullest CPU pool
+    snapshot.set_value(index).run()
+    assert not at.exception, at.exception
+    held = int(np.count_nonzero(cpu[index]))
+    assert held > 0
+    expected = f"{held:,} of {cpu.shape[1]:,} CPU blocks hold swapped-out KV"
+    assert any(c.startswith("t = ") and expected in c for c in _texts(at.caption))
+    (chart,) = [c for c in _charts(at) if c.proto.id.endswith("-ex-cpumap")]
+    ticks = json.loads(chart.proto.spec)["data"][0]["colorbar"]["ticktext"]
+    assert [t for t in ticks if t.startswith("swapped out: ")]
+
+
 def test_run_explorer_without_block_map_and_bad_dir(runs_env: Path, tmp_path: Path) -> None:
     at = _page(_app(), "run_explorer")
     at.selectbox(key="ex-select").set_value(runs_env / "coding-small").run()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
 import pytest
 
 import sim.runner
+from dashboard.loaders import read_block_map
 from sim.block_map import CACHED, FREE, OWNED_BASE, BlockMapRecorder
 from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
@@ -71,3 +73,63 @@ def test_snapshots_match_the_pool_block_by_block(
     assert block_map.checked > 20
     assert len(block_map.classes) >= 2
     assert block_map.with_cached_free > 0
+
+
+class CheckedCpuMap(BlockMapRecorder):
+    """Checks every CPU swap pool snapshot against the swap pool's tables at that moment."""
+
+    instances: ClassVar[list[CheckedCpuMap]] = []
+
+    def __init__(self) -> None:
+        super().__init__(max_snapshots=10_000, first_interval=3)
+        self.with_swapped = 0  # snapshots showing swapped-out blocks
+        CheckedCpuMap.instances.append(self)
+
+    def maybe_snapshot(
+        self, step: int, now_s: float, scheduler: Scheduler, class_of: Callable[[str], str]
+    ) -> None:
+        taken = len(self.states)
+        super().maybe_snapshot(step, now_s, scheduler, class_of)
+        if len(self.states) == taken:
+            return
+        assert scheduler.swapper is not None
+        cpu = scheduler.swapper.cpu
+        expected = np.full(cpu.num_blocks, FREE, dtype=np.uint8)
+        for request_id, cpu_ids in cpu.tables.items():
+            for block_id in cpu_ids:
+                expected[block_id] = OWNED_BASE + self.classes[class_of(request_id)]
+        assert len(self.cpu_states) == len(self.states)
+        np.testing.assert_array_equal(self.cpu_states[-1], expected)
+        self.with_swapped += bool(cpu.tables)
+
+
+def test_a_swap_run_snapshots_its_cpu_swap_pool(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    overrides = [
+        "workload.sessions=32",
+        "engine.num_gpu_blocks_override=2100",
+        "limits.max_duration_s=600",
+    ]
+    scenario = load_scenario(
+        SCENARIO_DIR / "priority-mix.yaml",
+        [*overrides, "engine.preemption_mode=swap", "engine.swap_space_gib=2"],
+    )
+    CheckedCpuMap.instances.clear()
+    monkeypatch.setattr(sim.runner, "BlockMapRecorder", CheckedCpuMap)
+    result = simulate(scenario)
+    (block_map,) = CheckedCpuMap.instances
+    assert block_map.with_swapped > 2
+    assert result.summary["swap"]["num_swap_outs"] > 0
+    monkeypatch.undo()
+    # Written beside the HBM map and read back as the dashboard reads it; a run without swap
+    # writes no CPU map.
+    result.write(tmp_path / "swap")
+    read = read_block_map(tmp_path / "swap")
+    assert read is not None and read.cpu_states is not None
+    assert read.cpu_states.shape == (len(read.times_s), 1024)  # 2 GiB of 2 MiB blocks
+    simulate(load_scenario(SCENARIO_DIR / "priority-mix.yaml", overrides)).write(tmp_path / "plain")
+    with np.load(tmp_path / "plain" / "block_map.npz") as npz:
+        assert "cpu_states" not in npz.files
+    plain = read_block_map(tmp_path / "plain")
+    assert plain is not None and plain.cpu_states is None
