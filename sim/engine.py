@@ -8,7 +8,8 @@ This module and the workload processes are the only simpy users.
 
 Fast path (the default): a *stretch* is a run of steps in which nothing the scheduler
 reacts to can happen: every running request decodes one token, except perhaps the last one
-(the request admitted last), which computes its prompt in chunks that do not reach its end;
+(the request admitted last), which computes its prompt (prompt and outputs, resumed after a
+preemption) in chunks that do not reach its end;
 nobody can be admitted (the waiting queue is empty, ``max_num_seqs`` / the token budget is
 full, or the queue's head does not fit in the free blocks and no block it could hit gets
 registered); no decode reaches its output length or ``max_model_len`` before the stretch's
@@ -28,7 +29,7 @@ Swap preemption (a what-if, ``engine.preemption_mode=swap``): a step that copies
 between HBM and the CPU swap pool lasts the model's time plus the copies' time (the cost
 model's ``kv_transfer_time_s``: bytes over PCIe bandwidth x its transfer efficiency, swap-outs
 and swap-ins one after the other), as vLLM V0's worker ran ``swap_in``/``swap_out`` before
-the forward pass of the same step. What-if runs take no decode stretches.
+the forward pass of the same step. What-if runs take no stretches.
 """
 
 from __future__ import annotations
@@ -87,12 +88,17 @@ class Engine(SinkBase):
         self.fast = fast and not scheduler.config.what_if_policies()
         if scheduler.swapper is not None:
             recorder.add_swap_columns()
-        # No step of a decode stretch may end after this time (the run's time limit: the
+        # No step of a stretch may end after this time (the run's time limit: the
         # step-by-step path never records a step ending past it).
         self.horizon_s = math.inf
         self.num_stretches = 0
         self.num_stretch_steps = 0
         self.num_prefill_stretch_steps = 0  # of which a prefill chunk ran in
+        # Stretches planned and given up (the queue's head would hit a block they register),
+        # and stretches whose pops and registrations were replayed one by one; by whether
+        # a prefill was in the batch (False, True).
+        self.num_stretch_undos = [0, 0]
+        self.num_stretch_replays = [0, 0]
         self._stretch_end_s = 0.0
         self._done: dict[str, simpy.Event] = {}
         self.process = env.process(self._run())
@@ -166,7 +172,7 @@ class Engine(SinkBase):
             for request in update.finished:
                 done.pop(request.request_id).succeed(request)
 
-    # -- decode stretches ---------------------------------------------------------------------
+    # -- stretches ---------------------------------------------------------------------------------
     def _plan_stretch(self, since_prefill: int) -> tuple[list[float], int, list[Request]] | None:
         """Advance a stretch in bulk if one starts now (see the module docstring).
 
@@ -186,8 +192,8 @@ class Engine(SinkBase):
         # that is neither (a step that admitted, a prefill ending) is told apart in a few
         # microseconds, the queue head's admission below costs a prefix lookup.
         chunked: Request | None = running[-1]
-        num_tokens = len(chunked.token_ids)
-        if chunked.num_computed_tokens == num_tokens - 1 and num_tokens > chunked.num_prompt_tokens:
+        last_len = len(chunked.token_ids)
+        if chunked.num_computed_tokens == last_len - 1 and last_len > chunked.num_prompt_tokens:
             chunked = None
         decoders = running if chunked is None else running[:-1]
         # Steps until each decode finishes (its f-th step from now samples its last token).
@@ -216,17 +222,17 @@ class Engine(SinkBase):
             if num_running + len(scheduler.waiting) <= 1:
                 threshold = 0  # nobody else to starve: vLLM lifts the cap
             computed = chunked.num_computed_tokens
-            num_tokens = len(chunked.token_ids)
+            prefill_len = len(chunked.token_ids)
             can_admit = False
             while len(chunks) < k_cap:
-                num_new = num_tokens - computed
+                num_new = prefill_len - computed
                 if 0 < threshold < num_new:
                     num_new = threshold
                 if num_new > budget:
                     num_new = budget
                 if num_new > max_model_len - computed - 1:
                     num_new = max_model_len - computed - 1
-                if num_new <= 0 or computed + num_new >= num_tokens:
+                if num_new <= 0 or computed + num_new >= prefill_len:
                     break
                 if num_new < budget:
                     can_admit = True
@@ -369,6 +375,7 @@ class Engine(SinkBase):
                     request.num_computed_tokens -= num_steps
                 if chunked is not None:
                     chunked.num_computed_tokens = prefill_context0
+                self.num_stretch_undos[chunked is not None] += 1
                 return None
             self._apply_blocks_caching(running, pops, pops_by_step, new_hashes, chunks)
         else:
@@ -433,8 +440,11 @@ class Engine(SinkBase):
         are cached now; registrations only add hashes. When no hash registered in the stretch
         is cached now or registered twice, the two never meet, so all pops (in order) then
         all registrations (request by request) leave the same pool; otherwise the events are
-        replayed one by one in vLLM's order. ``chunks``: the last request's prefill chunks,
-        one per step (empty when every request decodes).
+        replayed one by one in vLLM's order. (Either way, the evictions of pops taken
+        together share one eviction stamp, where vLLM's steps would stamp them apart: stamps
+        only date evictions against prefix lookups, and none is made inside a stretch.)
+        ``chunks``: the last request's prefill chunks, one per step (empty when every request
+        decodes).
         """
         kv = self.scheduler.kv_cache_manager
         pool = kv.block_pool
@@ -452,6 +462,7 @@ class Engine(SinkBase):
                 for request in running:
                     kv.cache_blocks(request, request.num_computed_tokens)
             return
+        self.num_stretch_replays[bool(chunks)] += 1
         # Events (step, running index, kind, tokens): kind 0 = a new block popped, kind 1 =
         # full blocks registered up to that many computed tokens (a decode's at once if
         # already past: k clamps to 0; the prefill's after each of its chunks).

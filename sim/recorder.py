@@ -180,7 +180,7 @@ class Recorder:
         """Record a stretch (see ``sim.engine``): ``len(starts)`` steps of the same batch,
         the rows :meth:`on_step` would have written one step at a time. ``finished``
         finished in the last step; ``scheduler`` is in its state after that step."""
-        assert not self._swap_columns, "a swap-preemption run takes no decode stretches"
+        assert not self._swap_columns, "a swap-preemption run takes no stretches"
         num_steps = len(starts)
         decoders = batch.decoders
         num_decode = len(decoders)

@@ -127,7 +127,7 @@ class EngineConfig(KvsimModel):
         line for the outputs; empty for the vLLM-exact engine.
 
         Results of a run with any of them are what-ifs: ``summary.json`` says so under
-        ``what_if``, and the engine runs every step through the scheduler (the decode-stretch
+        ``what_if``, and the engine runs every step through the scheduler (the stretch
         fast path is proven exact only for the vLLM-exact engine).
         """
         policies: list[str] = []

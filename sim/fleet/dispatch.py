@@ -5,7 +5,7 @@ and recorder) on the fleet's SimPy clock. On each submit the dispatcher builds t
 views (its own in-flight counts; each replica's queue lengths and KV usage as reported by
 its last step that ended more than ``view_delay_s`` before now), asks the router, and hands
 the request to that replica's engine. Reported metrics come from the steps a replica has
-recorded, so the fast path (which records a decode stretch's steps ahead) and the
+recorded, so the fast path (which records a stretch's steps ahead) and the
 step-by-step reference show a router the same thing.
 """
 

@@ -30,7 +30,7 @@ step duration (ratios of time integrals).
 
 Opt-in: sampled by :class:`WasteTrackingScheduler`, which the runner uses for non-paged
 allocators always and for the paged one when asked (``kvsim run --kv-waste``); it runs every
-step through the scheduler (the decode-stretch fast path skips it) and costs O(running
+step through the scheduler (the stretch fast path skips it) and costs O(running
 requests) per step. ``summary.json`` carries the result as ``kv_waste_breakdown``.
 """
 

@@ -1,4 +1,4 @@
-"""The engine's fast path (decode stretches advanced in bulk) against the step-by-step path.
+"""The engine's fast path (stretches advanced in bulk) against the step-by-step path.
 
 Random small scenarios (open loop and agent sessions with tool waits, fcfs and priority,
 prefix caching on and off, chunked prefill budgets, block pools tight enough to preempt,
@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import sim.engine
 from sim.engine import delay_to
+from sim.recorder import Recorder
 from sim.runner import SimulationResult, simulate
 from sim.scenario import parse_scenario
 
@@ -126,6 +127,60 @@ def assert_identical(fast: SimulationResult, reference: SimulationResult) -> Non
     )
 
 
+def pool_state(scheduler: Any) -> tuple[Any, ...]:
+    """The KV cache's state block by block: free-queue order, the prefix-cache map (first
+    holders and duplicates), ref counts, hashes, block tables and cached-block counts, and
+    each running request's progress (not the eviction stamps: a stretch stamps its pops'
+    evictions at once, which orders prefix lookups made between steps just the same)."""
+    kv = scheduler.kv_cache_manager
+    pool = kv.block_pool
+    return (
+        tuple(pool.free_block_ids()),
+        sorted(pool.first_cached_block.items()),
+        sorted((h, tuple(ids)) for h, ids in pool.duplicate_blocks.items()),
+        pool.num_evicted_blocks,
+        pool.ref_cnt.tobytes(),
+        pool.hashed.tobytes(),
+        (pool.block_hash * pool.hashed).tobytes(),
+        sorted((r, tuple(ids)) for r, ids in kv.req_to_blocks.items()),
+        sorted(kv.num_cached_block.items()),
+        [(r.request_id, r.num_computed_tokens, len(r.token_ids)) for r in scheduler.running],
+    )
+
+
+def states_after_steps(
+    scenario: Any, monkeypatch: pytest.MonkeyPatch, exact: bool
+) -> dict[int, tuple[Any, ...]]:
+    """The KV cache's state after every step the run records one by one and after the last
+    step of every stretch, by step number."""
+    states: dict[int, tuple[Any, ...]] = {}
+    on_step = Recorder.on_step
+    on_stretch = Recorder.on_stretch
+
+    def step(self: Recorder, output: Any, update: Any, *args: Any) -> None:
+        on_step(self, output, update, *args)
+        states[output.step] = pool_state(args[-1])
+
+    def stretch(self: Recorder, first_step: int, starts: Any, *args: Any) -> None:
+        on_stretch(self, first_step, starts, *args)
+        states[first_step + len(starts) - 1] = pool_state(args[-1])
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Recorder, "on_step", step)
+        patch.setattr(Recorder, "on_stretch", stretch)
+        simulate(scenario, exact_reference=exact)
+    return states
+
+
+def assert_same_kv_states(scenario: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After each stretch the KV cache is as the step-by-step path leaves it."""
+    fast = states_after_steps(scenario, monkeypatch, exact=False)
+    reference = states_after_steps(scenario, monkeypatch, exact=True)
+    assert len(fast) < len(reference)  # some stretches were taken
+    for step, state in fast.items():
+        assert state == reference[step], f"KV cache differs after step {step}"
+
+
 @settings(
     max_examples=60,
     deadline=None,
@@ -173,7 +228,7 @@ def test_prefill_stretches_give_the_step_by_step_results(raw: dict[str, Any]) ->
 
 @pytest.fixture
 def stretch_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Steps the engines of the test ran as decode stretches."""
+    """Steps the engines of the test ran as stretches (decode and prefill)."""
     counted: list[int] = []
     plan = sim.engine.Engine._plan_stretch
 
@@ -213,26 +268,37 @@ def test_a_decode_heavy_run_goes_mostly_through_stretches_with_identical_results
     scenario = parse_scenario(raw, "decode-heavy")
     fast = simulate(scenario)
     num_steps = fast.summary["metrics"]["num_steps"]
-    assert stretch_counter, "no decode stretch was taken"
+    assert stretch_counter, "no stretch was taken"
     assert stretch_counter[-1] > num_steps // 2
     assert_identical(fast, simulate(scenario, exact_reference=True))
 
 
-# A 96-token long-prefill cap leaves budget to admit with: those chunks stretch only while
-# nobody waits.
-@pytest.mark.parametrize(("threshold", "min_stretch_steps"), [(0, 10), (96, 1)])
-def test_a_long_prompt_beside_decodes_is_chunked_in_prefill_stretches(
-    threshold: int, min_stretch_steps: int
-) -> None:
-    # Long prompts arrive while others decode: with a 256-token budget a 3,000-token prompt
-    # takes ~12 steps, all but the last one stretch steps when nothing else happens.
-    engines: list[sim.engine.Engine] = []
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[sim.engine.Engine]:
+    """The engines the test's simulations build."""
+    built: list[sim.engine.Engine] = []
     init = sim.engine.Engine.__init__
 
     def keep(self: sim.engine.Engine, *args: Any, **kwargs: Any) -> None:
         init(self, *args, **kwargs)
-        engines.append(self)
+        built.append(self)
 
+    monkeypatch.setattr(sim.engine.Engine, "__init__", keep)
+    return built
+
+
+# With a 96-token long-prefill cap under a 256-token budget a chunk leaves budget to admit
+# with: such chunks stretch only while nobody can be admitted (an empty queue, a full batch,
+# or a head that does not fit).
+@pytest.mark.parametrize(("threshold", "least_prefill_stretch_steps"), [(0, 10), (96, 2)])
+def test_a_long_prompt_beside_decodes_is_chunked_in_prefill_stretches(
+    engines: list[sim.engine.Engine],
+    monkeypatch: pytest.MonkeyPatch,
+    threshold: int,
+    least_prefill_stretch_steps: int,
+) -> None:
+    # Long prompts arrive while others decode: with a 256-token budget a 3,000-token prompt
+    # takes ~12 steps, all but the last one stretch steps when nothing else happens.
     raw = {
         "name": "long-prompt",
         "seed": 5,
@@ -252,12 +318,86 @@ def test_a_long_prompt_beside_decodes_is_chunked_in_prefill_stretches(
         },
     }
     scenario = parse_scenario(raw, "long-prompt")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sim.engine.Engine, "__init__", keep)
-        fast = simulate(scenario)
-    (engine,) = engines
-    assert engine.num_prefill_stretch_steps >= min_stretch_steps
+    fast = simulate(scenario)
+    assert engines[0].num_prefill_stretch_steps >= least_prefill_stretch_steps
     assert_identical(fast, simulate(scenario, exact_reference=True))
+    assert_same_kv_states(scenario, monkeypatch)
+
+
+def test_a_prefill_stretch_the_queue_head_would_hit_is_undone(
+    engines: list[sim.engine.Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two requests share a 1,000-token prefix in a pool with room for one: the second waits
+    # for blocks while the first prefills, and the first's prefix blocks, once registered,
+    # would become its hits, so each stretch planned over them is given up.
+    raw = {
+        "name": "undo",
+        "seed": 0,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {
+            "block_size": 32,
+            "max_model_len": 2048,
+            "max_num_seqs": 64,
+            "max_num_batched_tokens": 128,
+            "long_prefill_token_threshold": 24,
+            "watermark": 0.05,
+            "num_gpu_blocks_override": 65,
+        },
+        "workload": {
+            "kind": "open_loop",
+            "num_requests": 2,
+            "arrival": {"kind": "poisson", "rate_per_s": 2000.0},
+            "prompt_tokens": {"kind": "uniform", "low": 1000, "high": 1200},
+            "output_tokens": {"kind": "uniform", "low": 20, "high": 600},
+            "shared_prefix_tokens": 1000,
+        },
+    }
+    scenario = parse_scenario(raw, "undo")
+    fast = simulate(scenario)
+    assert engines[0].num_stretch_undos[True] > 0
+    assert engines[0].num_prefill_stretch_steps > 0
+    assert_identical(fast, simulate(scenario, exact_reference=True))
+    assert_same_kv_states(scenario, monkeypatch)
+
+
+def test_prefill_stretch_pops_and_registrations_are_replayed_when_they_meet(
+    engines: list[sim.engine.Engine], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Two sessions burst in with the same 900-token system prompt and prefill it side by
+    # side: the second registers blocks the first already cached, so its stretch's pops
+    # and registrations are replayed one by one in vLLM's order.
+    raw = {
+        "name": "replay",
+        "seed": 1,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {
+            "block_size": 16,
+            "max_model_len": 2048,
+            "max_num_seqs": 8,
+            "max_num_batched_tokens": 128,
+            "long_prefill_token_threshold": 100,
+        },
+        "workload": {
+            "kind": "agent_sessions",
+            "sessions": 2,
+            "session_arrival": {"kind": "burst", "at_s": 0.0},
+            "turns": {"kind": "fixed", "value": 2},
+            "system_prompt_tokens": 900,
+            "tool_schema_tokens": 0,
+            "user_message_tokens": {"kind": "fixed", "value": 50},
+            "tool_result_tokens": {"kind": "fixed", "value": 100},
+            "output_tokens": {"kind": "fixed", "value": 60},
+            "tool_latency": {"kind": "fixed", "value_s": 0.05},
+            "max_context_tokens": 2048,
+        },
+    }
+    scenario = parse_scenario(raw, "replay")
+    fast = simulate(scenario)
+    assert engines[0].num_stretch_replays[True] > 0
+    assert_identical(fast, simulate(scenario, exact_reference=True))
+    assert_same_kv_states(scenario, monkeypatch)
 
 
 def test_the_reference_path_takes_no_stretch(stretch_counter: list[int]) -> None:
