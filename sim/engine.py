@@ -43,7 +43,7 @@ import simpy
 from sim.recorder import Recorder, StretchBatch
 from sim.request import Request
 from sim.scheduler.output import BatchShape
-from sim.scheduler.scheduler import Scheduler
+from sim.scheduler.scheduler import Scheduler, running_chunk
 from sim.workload.base import RequestMeta, SinkBase
 
 # A stretch shorter than this is run as ordinary steps (the bulk set-up would cost more).
@@ -225,13 +225,7 @@ class Engine(SinkBase):
             prefill_len = len(chunked.token_ids)
             can_admit = False
             while len(chunks) < k_cap:
-                num_new = prefill_len - computed
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                if num_new > budget:
-                    num_new = budget
-                if num_new > max_model_len - computed - 1:
-                    num_new = max_model_len - computed - 1
+                num_new = running_chunk(prefill_len, computed, threshold, budget, max_model_len)
                 if num_new <= 0 or computed + num_new >= prefill_len:
                     break
                 if num_new < budget:

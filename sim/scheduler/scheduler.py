@@ -41,6 +41,22 @@ from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate
 from sim.scheduler.policy import make_policy
 
 
+def running_chunk(
+    num_tokens: int, num_computed: int, threshold: int, token_budget: int, max_model_len: int
+) -> int:
+    """Tokens a running request computes this step (vLLM's running pass): what it lacks,
+    capped by the long-prefill threshold (0: none), the token budget left and
+    ``max_model_len`` (the last position is never computed); 0 or less: none."""
+    num_new = num_tokens - num_computed
+    if 0 < threshold < num_new:
+        num_new = threshold
+    if num_new > token_budget:
+        num_new = token_budget
+    if num_new > max_model_len - num_computed - 1:
+        num_new = max_model_len - num_computed - 1
+    return num_new
+
+
 class Scheduler:
     """Decides, each step, which requests compute how many tokens, and who is preempted."""
 
@@ -128,14 +144,13 @@ class Scheduler:
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
-            num_computed = request.num_computed_tokens
-            num_new = len(request.token_ids) - num_computed
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if num_new > token_budget:
-                num_new = token_budget
-            if num_new > max_model_len - num_computed - 1:
-                num_new = max_model_len - num_computed - 1
+            num_new = running_chunk(
+                len(request.token_ids),
+                request.num_computed_tokens,
+                threshold,
+                token_budget,
+                max_model_len,
+            )
             if num_new <= 0:
                 req_index += 1
                 continue
