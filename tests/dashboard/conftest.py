@@ -46,35 +46,31 @@ def runs_env(small_runs: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return small_runs
 
 
+def one_priority_mix_run(factory: pytest.TempPathFactory, name: str, overrides: list[str]) -> Path:
+    """A runs directory holding one simulated run ``name``: priority-mix's 32 sessions on
+    ``priority-small``'s pool (2,100 blocks), with ``overrides``."""
+    base = factory.mktemp(f"{name}-runs")
+    scenario = load_scenario(
+        SCENARIO_DIR / "priority-mix.yaml",
+        ["workload.sessions=32", "engine.num_gpu_blocks_override=2100", *overrides],
+    )
+    simulate(scenario).write(base / name)
+    return base
+
+
 @pytest.fixture(scope="session")
 def fleet_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A runs directory with one simulated fleet run, ``fleet-small``: priority-mix's 32
-    sessions on 2 replicas (``priority-small``'s pool each) behind round robin, with a few
+    """``fleet-small``: on 2 replicas (that pool each) behind round robin, with a few
     preemptions on each and its block map (of replica 0)."""
-    base = tmp_path_factory.mktemp("fleet-runs")
-    overrides = [
-        "workload.sessions=32",
-        "engine.num_gpu_blocks_override=2100",
-        "fleet.replicas=2",
-    ]
-    simulate(load_scenario(SCENARIO_DIR / "priority-mix.yaml", overrides)).write(
-        base / "fleet-small"
-    )
-    return base
+    return one_priority_mix_run(tmp_path_factory, "fleet-small", ["fleet.replicas=2"])
 
 
 @pytest.fixture(scope="session")
 def swap_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A runs directory with one simulated swap-preemption run (a what-if), ``swap-small``:
-    priority-mix's 32 sessions on a pool small enough to swap, with its CPU swap pool map."""
-    base = tmp_path_factory.mktemp("swap-runs")
-    overrides = [
-        "workload.sessions=32",
-        "engine.num_gpu_blocks_override=2100",
-        "engine.preemption_mode=swap",
-        "engine.swap_space_gib=2",
-    ]
-    simulate(load_scenario(SCENARIO_DIR / "priority-mix.yaml", overrides)).write(
-        base / "swap-small"
+    """``swap-small``: swap preemption (a what-if) into a 2 GiB CPU pool, which it fills at
+    times, with its CPU swap pool map."""
+    return one_priority_mix_run(
+        tmp_path_factory,
+        "swap-small",
+        ["engine.preemption_mode=swap", "engine.swap_space_gib=2"],
     )
-    return base

@@ -1,4 +1,5 @@
-"""Every dashboard page under streamlit.testing.v1.AppTest: renders, widgets, results."""
+"""Dashboard pages under streamlit.testing.v1.AppTest: renders, widgets, results (the run
+explorer's own cases are in test_run_explorer_page.py)."""
 
 from __future__ import annotations
 
@@ -14,41 +15,12 @@ import pytest
 from streamlit.testing.v1 import AppTest
 
 from sim.scenario import SCENARIO_DIR
-from tests.dashboard.conftest import APP
-
-TIMEOUT_S = 120
-
-
-def _app() -> AppTest:
-    at = AppTest.from_file(str(APP), default_timeout=TIMEOUT_S)
-    at.run()
-    assert not at.exception, at.exception
-    return at
-
-
-def _page(at: AppTest, page: str) -> AppTest:
-    at.switch_page(f"views/{page}.py").run()
-    assert not at.exception, at.exception
-    return at
-
-
-def _texts(elements) -> list[str]:
-    return [str(e.value) for e in elements]
-
-
-def _charts(at: AppTest) -> list:
-    return at.get("plotly_chart")
-
-
-def _trace_names(at: AppTest, key: str) -> list[str]:
-    """The trace names of the page's chart with this widget key."""
-    (chart,) = [c for c in _charts(at) if c.proto.id.endswith(f"-{key}")]
-    return [trace.get("name") for trace in json.loads(chart.proto.spec)["data"]]
+from tests.dashboard.apptest import TIMEOUT_S, charts, open_page, start_app, texts
 
 
 def test_what_if_renders_knobs(runs_env: Path) -> None:
-    at = _app()
-    assert _texts(at.title) == ["What-if"]
+    at = start_app()
+    assert texts(at.title) == ["What-if"]
     assert at.radio(key="wi-source").value == "shipped scenario"
     assert at.selectbox(key="wi-file").value.name == "coding-agents-8b-h100.yaml"
     prefix = "wi-coding-agents-8b-h100"
@@ -69,12 +41,12 @@ def test_what_if_renders_knobs(runs_env: Path) -> None:
     assert at.selectbox(key=f"{prefix}-model").value == "Llama-3.1-8B"
     assert at.number_input(key=f"{prefix}-workload.sessions").value == 500
     assert at.button(key="wi-run").label == "Run simulation"
-    assert "Result" not in _texts(at.subheader)
+    assert "Result" not in texts(at.subheader)
 
 
 @pytest.mark.parametrize("scenario", sorted(p.name for p in SCENARIO_DIR.glob("*.yaml")))
 def test_what_if_knobs_of_every_shipped_scenario(runs_env: Path, scenario: str) -> None:
-    at = _app()
+    at = start_app()
     at.selectbox(key="wi-file").set_value(SCENARIO_DIR / scenario).run()
     assert not at.exception, at.exception
     prefix = f"wi-{Path(scenario).stem}"
@@ -89,252 +61,105 @@ def test_what_if_run_shows_summary_and_saves(
 ) -> None:
     runs_env = tmp_path / "runs"  # saving writes here: keep the shared runs dir unchanged
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(runs_env))
-    at = _app()
+    at = start_app()
     at.number_input(key="wi-coding-agents-8b-h100-workload.sessions").set_value(10)
     at.button(key="wi-run").click().run()
     assert not at.exception, at.exception
-    assert not at.error, _texts(at.error)
-    assert "Result" in _texts(at.subheader)
+    assert not at.error, texts(at.error)
+    assert "Result" in texts(at.subheader)
     labels = [m.label for m in at.metric]
     assert {"TTFT p99", "ITL p99", "E2E p99", "KV usage peak", "preemptions"} <= set(labels)
-    assert any("--set workload.sessions=10" in c for c in _texts(at.code))
+    assert any("--set workload.sessions=10" in c for c in texts(at.code))
     latency = at.dataframe[0].value
     assert list(latency["latency"]) == ["TTFT", "ITL", "E2E", "queue"]
     assert (latency["samples"].iloc[0]) == 100  # 10 sessions x 10 turns
     slos = [d.value for d in at.dataframe if "verdict" in d.value.columns]
     assert slos and set(slos[0]["verdict"]) <= {"PASS", "FAIL"}
-    assert len(_charts(at)) == 4  # timeline + 3 CDFs
+    assert len(charts(at)) == 4  # timeline + 3 CDFs
 
     at.button(key="wi-save").click().run()
     assert not at.exception, at.exception
     saved = sorted(p.name for p in runs_env.iterdir())
     assert saved == ["coding-agents-8b-h100-1"]
-    assert any("Saved to" in s for s in _texts(at.success))
+    assert any("Saved to" in s for s in texts(at.success))
     assert at.button(key="wi-save").disabled
     summary = json.loads((runs_env / saved[-1] / "summary.json").read_text())
     assert summary["num_requests"] == 100
 
 
 def test_what_if_invalid_override_shows_error(runs_env: Path) -> None:
-    at = _app()
+    at = start_app()
     # Llama-3.1-8B has 8 KV heads: TP=3 neither divides nor is divisible by it.
     at.number_input(key="wi-coding-agents-8b-h100-engine.tensor_parallel_size").set_value(3)
     at.button(key="wi-run").click().run()
     assert not at.exception, at.exception
-    errors = _texts(at.error)
+    errors = texts(at.error)
     assert errors and "tensor_parallel_size=3" in errors[0]
-    assert "Result" not in _texts(at.subheader)
+    assert "Result" not in texts(at.subheader)
 
 
 def test_what_if_upload(runs_env: Path) -> None:
-    at = _app()
+    at = start_app()
     at.radio(key="wi-source").set_value("upload YAML").run()
     assert at.file_uploader(key="wi-upload") is not None
     at.file_uploader(key="wi-upload").set_value(("bad.yaml", b"name: [unclosed", "text/yaml"))
     at.run()
-    assert any("not valid YAML" in e for e in _texts(at.error))
+    assert any("not valid YAML" in e for e in texts(at.error))
     at.file_uploader(key="wi-upload").set_value(
         ("x.yaml", b"name: x\nmodel: Llama-3.1-8B\n", "text/yaml")
     )
     at.run()
     assert not at.exception, at.exception
     at.button(key="wi-run").click().run()
-    errors = _texts(at.error)
+    errors = texts(at.error)
     assert errors and "hardware" in errors[0] and "workload" in errors[0]
 
 
-def test_run_explorer(runs_env: Path) -> None:
-    at = _page(_app(), "run_explorer")
-    assert _texts(at.title) == ["Run explorer"]
-    select = at.selectbox(key="ex-select")
-    assert set(select.options) >= {"coding-small", "priority-small"}
-    select.set_value(runs_env / "priority-small").run()
-    assert not at.exception, at.exception
-    assert not at.error, _texts(at.error)
-    heads = _texts(at.subheader)
-    for head in (
-        "KV cache and requests over time",
-        "HBM block map",
-        "Latency CDFs by priority class",
-        "Agent session waterfall",
-    ):
-        assert head in heads
-    snapshot = at.select_slider(key="ex-snapshot")
-    assert snapshot.value == len(snapshot.options) - 1 > 10  # the last snapshot first
-    assert len(_charts(at)) == 7  # timeline, map, strip, 3 CDFs, waterfall
-    # one engine: no replica picker and no fleet view
-    assert "ex-replica" not in {w.key for w in at.selectbox}
-    assert not [h for h in heads if h.startswith("Fleet")]
-    assert not [c for c in _texts(at.caption) if "replica" in c]
-    captions = " ".join(_texts(at.caption))
-    assert "steps with preemptions" in captions
-    at.select_slider(key="ex-snapshot").set_value(3).run()
-    assert not at.exception, at.exception
-    assert "t = " in " ".join(_texts(at.caption))
-    at.selectbox(key="ex-session").set_value(5).run()
-    assert not at.exception, at.exception
-    assert "Time per phase" in " ".join(_texts(at.caption))
-
-
-def test_run_explorer_fleet_run(fleet_run: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSIM_RUNS_DIR", str(fleet_run))
-    run = fleet_run / "fleet-small"
-    fleet = json.loads((run / "summary.json").read_text())["fleet"]
-    at = _page(_app(), "run_explorer")
-    assert at.selectbox(key="ex-select").value == run
-    assert not at.error, _texts(at.error)
-    assert _texts(at.subheader) == [
-        "Fleet (what-if): 2 replicas, round_robin router",
-        "KV cache and requests over time",
-        "HBM block map",
-        "Latency CDFs by priority class",
-        "Agent session waterfall",
-    ]
-    captions = _texts(at.caption)
-    assert captions[0] == (
-        "What-if: 2 replicas behind a simulated `round_robin` router (view_delay_s=0.0); each "
-        "replica is the vLLM-exact engine."
-    )
-    assert "A fleet run's block map shows replica 0 only, whichever replica is picked." in captions
-    imbalance = {m.label: m.value for m in at.metric if m.label.startswith("imbalance")}
-    assert imbalance == {
-        f"imbalance: {name}": f"{fleet['load_imbalance'][key]:.2f}"
-        for name, key in (
-            ("requests", "requests"),
-            ("output tokens", "output_tokens"),
-            ("busy time", "busy_time"),
-        )
-    }
-    table = next(d.value for d in at.dataframe if "busy (%)" in d.value.columns)
-    assert list(table["requests"]) == [r["num_requests"] for r in fleet["per_replica"]]
-    assert list(table["preemptions"]) == [r["preemptions"] for r in fleet["per_replica"]]
-    # fleet bars, per-replica KV lines, per-replica timeline, block map and strip, 3 CDFs,
-    # waterfall
-    assert len(_charts(at)) == 9
-    assert _trace_names(at, "ex-fleet-kv") == ["replica 0", "replica 1"]
-    # all replicas: one line per replica (KV above; running and waiting below), no zig-zag
-    names = _trace_names(at, "ex-timeline")
-    for r in (0, 1):
-        assert [n for n in names if n.startswith(f"replica {r}") and ": p" not in n] == [
-            f"replica {r}",
-            f"replica {r}: running",
-            f"replica {r}: waiting",
-        ]
-    picker = at.selectbox(key="ex-replica")
-    assert picker.options == ["all replicas", "replica 0", "replica 1"]
-    assert picker.value == -1
-    assert at.selectbox(key="ex-session").label == "Session (32 in this run)"
-    assert any(c.startswith("One colour per replica") for c in captions)
-
-    picker.set_value(1).run()
-    assert not at.exception, at.exception
-    assert not at.error, _texts(at.error)
-    captions = _texts(at.caption)
-    own = fleet["per_replica"][1]
-    assert any(
-        c.startswith("replica 1 only: ") and f", {own['preemptions']:,} in all" in c
-        for c in captions
-    ), captions
-    assert "Requests of replica 1 only." in captions
-    assert _trace_names(at, "ex-timeline") == ["KV cache usage", "preemption", "running", "waiting"]
-    sessions = at.selectbox(key="ex-session-r1")
-    requests = pd.read_parquet(run / "requests.parquet")
-    on_replica = sorted(set(requests.loc[requests["replica"] == 1, "session_id"]))
-    assert sessions.options == [str(s) for s in on_replica]
-    assert sessions.label == f"Session ({len(on_replica)} with a request on replica 1)"
-    assert len(_charts(at)) == 9
-    sessions.set_value(on_replica[-1]).run()
-    assert not at.exception, at.exception
-    assert "Time per phase" in " ".join(_texts(at.caption))
-
-
-def test_run_explorer_swap_run_shows_the_cpu_swap_pool(
-    swap_run: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("KVSIM_RUNS_DIR", str(swap_run))
-    at = _page(_app(), "run_explorer")
-    assert not at.error, _texts(at.error)
-    heads = _texts(at.subheader)
-    cpu_head = "CPU swap pool (what-if: swap preemption)"
-    assert heads.index(cpu_head) == heads.index("HBM block map") + 1
-    assert len(_charts(at)) == 8  # the single-engine run's 7 and the CPU map
-    cpu = np.load(swap_run / "swap-small" / "block_map.npz")["cpu_states"]
-    snapshot = at.select_slider(key="ex-snapshot")
-    index = int(np.argmax(np.count_nonzero(cpu, axis=1)))  # the fullest CPU pool
-    snapshot.set_value(index).run()
-    assert not at.exception, at.exception
-    held = int(np.count_nonzero(cpu[index]))
-    assert held > 0
-    expected = f"{held:,} of {cpu.shape[1]:,} CPU blocks hold swapped-out KV"
-    assert any(c.startswith("t = ") and expected in c for c in _texts(at.caption))
-    (chart,) = [c for c in _charts(at) if c.proto.id.endswith("-ex-cpumap")]
-    ticks = json.loads(chart.proto.spec)["data"][0]["colorbar"]["ticktext"]
-    assert [t for t in ticks if t.startswith("swapped out: ")]
-
-
-def test_run_explorer_without_block_map_and_bad_dir(runs_env: Path, tmp_path: Path) -> None:
-    at = _page(_app(), "run_explorer")
-    at.selectbox(key="ex-select").set_value(runs_env / "coding-small").run()
-    assert any("no `block_map.npz`" in i for i in _texts(at.info))
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "summary.json").write_text("{}")
-    at.text_input(key="ex-path").set_value(str(tmp_path / "broken")).run()
-    assert not at.exception, at.exception
-    errors = _texts(at.error)
-    assert errors and "missing requests.parquet, steps.parquet" in errors[0]
-
-
-def test_run_explorer_empty_runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
-    at = _page(_app(), "run_explorer")
-    assert any("No run directories" in i for i in _texts(at.info))
-
-
 def test_compare(runs_env: Path) -> None:
-    at = _page(_app(), "compare")
-    assert _texts(at.title) == ["Compare runs"]
+    at = open_page(start_app(), "compare")
+    assert texts(at.title) == ["Compare runs"]
     runs = at.multiselect(key="cmp-runs")
     runs.set_value([runs_env / "coding-small", runs_env / "priority-small"]).run()
     assert not at.exception, at.exception
-    assert _texts(at.subheader) == ["Error table", "Latency CDFs", "Timelines"]
+    assert texts(at.subheader) == ["Error table", "Latency CDFs", "Timelines"]
     table = at.dataframe[0].value
     assert "relative error (%)" in table.columns
     row = table.set_index("metric").loc["TTFT p50"]
     assert row["relative error (%)"] == pytest.approx(
         (row["value"] - row["reference"]) / abs(row["reference"]) * 100
     )
-    assert len(_charts(at)) == 5  # 3 CDFs + KV usage + running
+    assert len(charts(at)) == 5  # 3 CDFs + KV usage + running
 
 
 def test_compare_a_fleet_run_with_one_engine(
     small_runs: Path, fleet_run: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(fleet_run))
-    at = _page(_app(), "compare")
+    at = open_page(start_app(), "compare")
     at.multiselect(key="cmp-runs").set_value([fleet_run / "fleet-small"]).run()
     at.text_input(key="cmp-paths").set_value(str(small_runs / "priority-small")).run()
     assert not at.exception, at.exception
-    assert not at.error, _texts(at.error)
-    assert _texts(at.subheader) == ["Error table", "Latency CDFs", "Timelines"]
-    assert len(_charts(at)) == 5
+    assert not at.error, texts(at.error)
+    assert texts(at.subheader) == ["Error table", "Latency CDFs", "Timelines"]
+    assert len(charts(at)) == 5
     assert any(
         "sim:fleet-small is a fleet of 2 replicas: its KV usage is their mean and its running "
         "requests their sum" in c
-        for c in _texts(at.caption)
+        for c in texts(at.caption)
     )
 
 
 def test_compare_needs_two_runs(runs_env: Path) -> None:
-    at = _page(_app(), "compare")
+    at = open_page(start_app(), "compare")
     at.multiselect(key="cmp-runs").set_value([runs_env / "coding-small"]).run()
-    assert any("at least two runs" in i for i in _texts(at.info))
+    assert any("at least two runs" in i for i in texts(at.info))
 
 
 def test_sweeps_page_only_with_sweep_results(
     small_runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
-    at = _app()
+    at = start_app()
     with pytest.raises(ValueError, match="Could not find a navigation page"):
         at.switch_page("views/sweeps.py")
     sweep = tmp_path / "sweeps" / "seqs"
@@ -342,8 +167,8 @@ def test_sweeps_page_only_with_sweep_results(
     (sweep / "sweep.json").write_text(
         json.dumps({"parameter": "engine.max_num_seqs", "results": [{"value": 64, "ok": 1}]})
     )
-    at = _page(_app(), "sweeps")
-    assert _texts(at.title) == ["Sweeps"]
+    at = open_page(start_app(), "sweeps")
+    assert texts(at.title) == ["Sweeps"]
     assert list(at.dataframe[0].value.columns) == ["value", "ok"]
 
 
@@ -361,7 +186,7 @@ def test_sweeps_page_shows_a_kvsim_sweeps_results(
         tmp_path / "sweeps" / "seqs",
     )
     table = run_sweep(plan, 1)
-    at = _page(_app(), "sweeps")
+    at = open_page(start_app(), "sweeps")
     assert not at.exception, at.exception
     shown = at.dataframe[0].value
     assert list(shown["engine.max_num_seqs"]) == [8, 16]
@@ -377,7 +202,7 @@ TINY_CONFIG = Path(__file__).resolve().parents[2] / "validate" / "models" / "tin
 def _one_error(at: AppTest) -> str:
     """The page's only error message; no exception reached the page."""
     assert not at.exception, at.exception
-    errors = _texts(at.error)
+    errors = texts(at.error)
     assert len(errors) == 1, errors
     (error,) = errors
     assert "Traceback" not in error and "\n" not in error
@@ -408,21 +233,21 @@ OPEN_LOOP = (
 
 def test_what_if_runs_an_uploaded_scenario_with_a_model_config(runs_env: Path) -> None:
     """The control case of the broken ones below: the same upload with a good config.json."""
-    at = _upload_and_run(_app(), _scenario(str(TINY_CONFIG / "config.json"), OPEN_LOOP))
+    at = _upload_and_run(start_app(), _scenario(str(TINY_CONFIG / "config.json"), OPEN_LOOP))
     assert not at.exception, at.exception
-    assert not at.error, _texts(at.error)
-    assert "Result" in _texts(at.subheader)
+    assert not at.error, texts(at.error)
+    assert "Result" in texts(at.subheader)
 
 
 def test_what_if_runs_an_uploaded_fleet_scenario(runs_env: Path) -> None:
     text = _scenario("Llama-3.1-8B", OPEN_LOOP) + "fleet: {replicas: 2}\n"
-    at = _upload_and_run(_app(), text)
+    at = _upload_and_run(start_app(), text)
     assert not at.exception, at.exception
-    assert not at.error, _texts(at.error)
-    assert "Result" in _texts(at.subheader)
+    assert not at.error, texts(at.error)
+    assert "Result" in texts(at.subheader)
     assert (
         "a fleet of 2 replicas: KV usage is their mean and requests their sum (save the run "
-        "and open it in the Run explorer for each replica's figures)." in _texts(at.caption)
+        "and open it in the Run explorer for each replica's figures)." in texts(at.caption)
     )
 
 
@@ -453,10 +278,10 @@ def test_what_if_upload_with_a_broken_model_config(
             config.write_text(json.dumps({**good, **patch}) if isinstance(patch, dict) else content)
         except json.JSONDecodeError:
             config.write_text(content)
-    at = _upload_and_run(_app(), _scenario(str(config), OPEN_LOOP))
+    at = _upload_and_run(start_app(), _scenario(str(config), OPEN_LOOP))
     error = _one_error(at)
     assert error.startswith("up.yaml") or error.startswith(str(config)), error
-    assert "Result" not in _texts(at.subheader)
+    assert "Result" not in texts(at.subheader)
 
 
 @pytest.mark.parametrize("trace", ["missing.jsonl", "folder.jsonl", "binary.jsonl", "bad.csv"])
@@ -469,10 +294,10 @@ def test_what_if_upload_with_a_broken_trace(runs_env: Path, tmp_path: Path, trac
     elif trace == "bad.csv":
         path.write_text("timestamp,input_length,output_length\n0,abc,5\n")
     workload = f"{{kind: trace, path: {path}}}"
-    at = _upload_and_run(_app(), _scenario("Llama-3.1-8B", workload))
+    at = _upload_and_run(start_app(), _scenario("Llama-3.1-8B", workload))
     error = _one_error(at)
     assert error.startswith("up.yaml") or error.startswith(f"trace {path}"), error
-    assert "Result" not in _texts(at.subheader)
+    assert "Result" not in texts(at.subheader)
 
 
 @pytest.mark.parametrize(
@@ -481,7 +306,7 @@ def test_what_if_upload_with_a_broken_trace(runs_env: Path, tmp_path: Path, trac
     ids=["binary", "deep", "list", "bad-yaml"],
 )
 def test_what_if_upload_that_is_not_a_scenario(runs_env: Path, text: bytes) -> None:
-    at = _app()
+    at = start_app()
     at.radio(key="wi-source").set_value("upload YAML").run()
     at.file_uploader(key="wi-upload").set_value(("up.yaml", text, "text/yaml")).run()
     assert _one_error(at).startswith("up.yaml: ")
@@ -535,7 +360,7 @@ def test_run_explorer_broken_run_directory(
 ) -> None:
     run = _broken_run(small_runs, tmp_path, how)
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
-    at = _page(_app(), "run_explorer")
+    at = open_page(start_app(), "run_explorer")
     at.text_input(key="ex-path").set_value(str(run)).run()
     assert str(run) in _one_error(at)
 
@@ -546,13 +371,13 @@ def test_compare_with_a_broken_run_directory(
 ) -> None:
     run = _broken_run(small_runs, tmp_path, how)
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
-    at = _page(_app(), "compare")
+    at = open_page(start_app(), "compare")
     at.multiselect(key="cmp-runs").set_value([]).run()
     at.text_input(key="cmp-paths").set_value(f"{small_runs / 'coding-small'}, {run}").run()
     assert not at.exception, at.exception
-    errors = _texts(at.error)
+    errors = texts(at.error)
     assert len(errors) <= 1 and all("Traceback" not in e for e in errors), errors
-    assert errors or "Error table" in _texts(at.subheader)  # a run that still compares
+    assert errors or "Error table" in texts(at.subheader)  # a run that still compares
 
 
 @pytest.mark.parametrize("how", ["fleet-section-wrong-types", "replica-column-text"])
@@ -570,7 +395,7 @@ def test_run_explorer_broken_fleet_run(
         steps["replica"] = steps["replica"].astype(str)
         steps.to_parquet(run / "steps.parquet")
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
-    at = _page(_app(), "run_explorer")
+    at = open_page(start_app(), "run_explorer")
     at.text_input(key="ex-path").set_value(str(run)).run()
     assert str(run) in _one_error(at)
 
@@ -581,10 +406,10 @@ def test_what_if_save_into_an_unwritable_runs_dir(
     blocker = tmp_path / "file"
     blocker.write_text("")
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(blocker / "runs"))  # under a file: cannot exist
-    at = _app()
+    at = start_app()
     at.number_input(key="wi-coding-agents-8b-h100-workload.sessions").set_value(2)
     at.button(key="wi-run").click().run()
-    assert "Result" in _texts(at.subheader)
+    assert "Result" in texts(at.subheader)
     at.button(key="wi-save").click().run()
     assert _one_error(at).startswith(f"saving the run to {blocker / 'runs'}: ")
     assert not at.success
