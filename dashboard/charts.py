@@ -231,12 +231,16 @@ def overlay_timeline_figure(
 
 
 def state_legend(
-    classes: list[str], retained: bool = False, owner: str = "running"
+    classes: list[str],
+    retained: bool = False,
+    owner: str = "running",
+    cached: str = "prefix-cached (free)",
 ) -> list[tuple[str, str]]:
-    """(label, colour) of each block state: free, cached-but-free, one per class (``owner``
-    names who holds the block: a running request in HBM, a swapped-out one in the CPU swap
-    pool), and with ``retained`` the what-if KV retention's held blocks last."""
-    out = [("free", FREE_COLOR), ("prefix-cached (free)", CACHED_COLOR)]
+    """(label, colour) of each block state: free, cached-but-free (``cached`` names it: a
+    CPU offload store's readable copies), one per class (``owner`` names who holds the
+    block: a running request in HBM, a swapped-out one in the CPU swap pool, a load in the
+    CPU offload store), and with ``retained`` the what-if KV retention's held blocks last."""
+    out = [("free", FREE_COLOR), (cached, CACHED_COLOR)]
     for k, name in enumerate(classes):
         out.append((f"{owner}: {name}", CLASS_COLORS[k % len(CLASS_COLORS)]))
     if retained:
@@ -245,12 +249,15 @@ def state_legend(
 
 
 def block_states(
-    states: np.ndarray, classes: list[str], owner: str = "running"
+    states: np.ndarray,
+    classes: list[str],
+    owner: str = "running",
+    cached: str = "prefix-cached (free)",
 ) -> tuple[np.ndarray, list[tuple[str, str]]]:
     """Block-map codes (``sim/block_map.py``) as indices into their legend: retained blocks
     (code 255) get the last entry, present only when the map has any."""
     retained = states == RETAINED
-    legend = state_legend(classes, retained=bool(retained.any()), owner=owner)
+    legend = state_legend(classes, retained=bool(retained.any()), owner=owner, cached=cached)
     z = np.minimum(states, len(legend) - 1 - int(retained.any()))
     if retained.any():
         z = np.where(retained, len(legend) - 1, z)
@@ -304,6 +311,7 @@ def block_map_figure(
     max_blocks: int = 512,
     owner: str = "running",
     pool: str = "block",
+    cached: str = "prefix-cached (free)",
 ) -> tuple[go.Figure, str | None]:
     """HBM block map: block index (y) over time (x), coloured by block state (``owner`` and
     ``pool`` name the holders and the axis: "swapped out" and "CPU block" for the CPU swap
@@ -314,7 +322,7 @@ def block_map_figure(
     """
     t_idx, t_stride = strided(len(times_s), max_times)
     b_idx, b_stride = strided(states.shape[1], max_blocks)
-    z, legend = block_states(states[np.ix_(t_idx, b_idx)].T, classes, owner)
+    z, legend = block_states(states[np.ix_(t_idx, b_idx)].T, classes, owner, cached)
     fig = go.Figure(
         _state_heatmap(
             z,

@@ -43,6 +43,7 @@ class Knob:
     in_document: bool = True
     cleared: Any = None  # what clears the field (its unset value)
     required: bool = False  # the only_with value needs this field (no default to fall back on)
+    zero_unsets: bool = False  # a float whose 0 means "unset" (e.g. no CPU offload tier)
 
 
 def get_path(document: dict[str, Any], path: str, default: Any = None) -> Any:
@@ -70,7 +71,7 @@ SWAP_SPACE_GIB_SHOWN = 4.0
 
 def policy_knobs(document: dict[str, Any]) -> list[Knob]:
     """The memory-policy what-ifs: allocator, preemption mode and the swap space it needs,
-    KV retention."""
+    the CPU offload tier, KV retention."""
     allocators = ("paged", "static", "orca_max", "orca_pow2", "orca_oracle")
     swap_space = get_path(document, "engine.swap_space_gib")
     return [
@@ -86,6 +87,11 @@ def policy_knobs(document: dict[str, Any]) -> list[Knob]:
             help=EngineConfig.model_fields["swap_space_gib"].description,
             only_with=("engine.preemption_mode", ("swap",)), in_document=swap_space is not None,
             required=True,
+        ),
+        Knob(
+            "engine.kv_offload_gib", "CPU offload tier (GiB, 0 = none; what-if)", "float",
+            float(get_path(document, "engine.kv_offload_gib") or 0.0), min_value=0.0, step=8.0,
+            help=EngineConfig.model_fields["kv_offload_gib"].description, zero_unsets=True,
         ),
         *_retention_knobs(document),
     ]  # fmt: skip
@@ -223,7 +229,8 @@ def build_overrides(knobs: list[Knob], values: dict[str, Any]) -> list[str]:
                 out.append(f"{knob.path}={yaml_value(value)}")
                 continue
         if value != knob.default:
-            out.append(f"{knob.path}={yaml_value(value)}")
+            written = None if knob.zero_unsets and value == 0 else value
+            out.append(f"{knob.path}={yaml_value(written)}")
     return out
 
 

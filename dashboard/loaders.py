@@ -193,8 +193,10 @@ class BlockMap:
     times_s: np.ndarray
     states: np.ndarray
     classes: list[str]
-    # The CPU swap pool's blocks per snapshot (swap-preemption runs only), else None.
+    # The CPU map's blocks per snapshot (swap-preemption and CPU offload runs only), else
+    # None, and which of the two it is ("swap" or "offload").
     cpu_states: np.ndarray | None = None
+    cpu_kind: str | None = None
 
 
 def read_block_map(path: Path) -> BlockMap | None:
@@ -206,6 +208,8 @@ def read_block_map(path: Path) -> BlockMap | None:
         with np.load(file, allow_pickle=False) as npz:
             times, states, classes = npz["times_s"], npz["states"], npz["classes"]
             cpu = npz["cpu_states"] if "cpu_states" in npz.files else None
+            # Swap runs written before offload existed carry no kind.
+            cpu_kind = str(npz["cpu_kind"]) if "cpu_kind" in npz.files else "swap"
     except (OSError, ValueError, KeyError) as exc:
         raise ValueError(f"{file}: cannot read block map: {exc}") from None
     for name, array in (("states", states), ("cpu_states", cpu)):
@@ -221,6 +225,7 @@ def read_block_map(path: Path) -> BlockMap | None:
         states.astype(np.uint8),
         [str(c) for c in classes],
         None if cpu is None else cpu.astype(np.uint8),
+        None if cpu is None else cpu_kind,
     )
 
 

@@ -12,8 +12,13 @@ A swap-preemption run (a what-if) also snapshots its CPU swap pool, one uint8 pe
 KV lives on the host, so it is a map of its own beside the HBM one, where a swapped-out
 request's blocks are freed.
 
+A run with a CPU offload tier (a what-if) snapshots its CPU store the same way: 0 free, 1
+stored (a readable copy of a prefix block, or one still being copied out), 2+k being loaded
+into HBM for a request of class k. ``cpu_kind`` says which of the two the CPU map is.
+
 Written as ``block_map.npz`` (``times_s``, ``steps``, ``states``, ``classes``, and
-``cpu_states`` for swap runs) next to the run's other files; measured runs have none.
+``cpu_states`` and ``cpu_kind`` for swap and offload runs) next to the run's other files;
+measured runs have none.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ class BlockMapRecorder:
         self.times_s: list[float] = []
         self.steps: list[int] = []
         self.states: list[np.ndarray] = []
-        self.cpu_states: list[np.ndarray] = []  # swap runs only, one per snapshot
+        self.cpu_states: list[np.ndarray] = []  # swap and offload runs, one per snapshot
+        self.cpu_kind: str | None = None  # "swap" or "offload"
         self.classes: dict[str, int] = {}
 
     def owned_code(self, class_name: str) -> int:
@@ -96,12 +102,30 @@ class BlockMapRecorder:
             for request_id, cpu_ids in cpu.tables.items():
                 cpu_states[cpu_ids] = self.owned_code(class_of(request_id))
             self.cpu_states.append(cpu_states)
+            self.cpu_kind = "swap"
+        if scheduler.offloader is not None:
+            self.cpu_states.append(self._offload_states(scheduler, class_of))
+            self.cpu_kind = "offload"
         self.times_s.append(now_s)
         self.steps.append(step)
         self.states.append(states)
         if len(self.states) > self.max_snapshots:
             del self.times_s[1::2], self.steps[1::2], self.states[1::2], self.cpu_states[1::2]
             self.interval *= 2
+
+    def _offload_states(self, scheduler: Scheduler, class_of: Callable[[str], str]) -> np.ndarray:
+        offloader = scheduler.offloader
+        assert offloader is not None
+        store = offloader.store
+        states = np.zeros(store.num_blocks, dtype=np.uint8)
+        entries = store.entries
+        if entries:
+            ids = np.fromiter((e.cpu_id for e in entries.values()), np.int64, count=len(entries))
+            states[ids] = CACHED
+        for request_id, transfer in offloader.loads.items():
+            ids = [entries[h].cpu_id for h in transfer.hashes]
+            states[ids] = self.owned_code(class_of(request_id))
+        return states
 
     def save(self, run_dir: Path) -> None:
         """Write ``block_map.npz`` into a run directory (or its staging folder)."""
@@ -113,4 +137,5 @@ class BlockMapRecorder:
         }
         if self.cpu_states:
             arrays["cpu_states"] = np.stack(self.cpu_states)
+            arrays["cpu_kind"] = np.asarray(self.cpu_kind, dtype=str)
         np.savez_compressed(Path(run_dir) / BLOCK_MAP_FILE, **arrays)

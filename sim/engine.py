@@ -88,6 +88,12 @@ class Engine(SinkBase):
         self.fast = fast and not scheduler.config.what_if_policies()
         if scheduler.swapper is not None:
             recorder.add_swap_columns()
+        offloader = scheduler.offloader
+        if offloader is not None:
+            bytes_per_block = offloader.bytes_per_block
+            transfer_time_s = cost_model.kv_transfer_time_s
+            offloader.transfer_time_s = lambda n: transfer_time_s(n, bytes_per_block)
+            recorder.add_offload_columns()
         # No step of a stretch may end after this time (the run's time limit: the
         # step-by-step path never records a step ending past it).
         self.horizon_s = math.inf
@@ -144,7 +150,22 @@ class Engine(SinkBase):
                     for request in finished:
                         done.pop(request.request_id).succeed(request)
                     continue
+            offloader = scheduler.offloader
+            if offloader is not None:
+                offloader.set_time(env.now)
             output = scheduler.schedule()
+            if output.is_empty and offloader is not None and not output.preempted_ids:
+                # Nothing to run until a copy ends (vLLM spins through empty steps): no
+                # step; wait for the copy or an arrival, whichever comes first.
+                wake_s = offloader.next_event_s()
+                if wake_s is not None or offloader.loads:
+                    scheduler.discard_empty_step(output)
+                    offloader.after_schedule({}, scheduler.requests, env.now)  # start loads
+                    wake_s = offloader.next_event_s()
+                    assert wake_s is not None
+                    yield env.any_of([env.timeout(max(wake_s - env.now, 0.0)), self._idle()])
+                    after_idle = True
+                    continue
             # Sizing guarantees one max_model_len request fits, so an idle engine can always
             # admit the head of the queue: an empty step with work queued is a bug, unless
             # it preempted. vLLM then runs an empty step too: a request that could not grow
@@ -166,6 +187,10 @@ class Engine(SinkBase):
                 )
                 duration_s += swap.transfer_s
             after_idle = False
+            if offloader is not None:
+                offloader.after_schedule(
+                    output.num_scheduled_tokens, scheduler.requests, env.now + duration_s
+                )
             yield env.timeout(duration_s)
             update = scheduler.update_from_output(output)
             recorder.on_step(output, update, start_s, env.now, scheduler)

@@ -65,11 +65,12 @@ def served_model(scenario: Scenario, model: str | None = None) -> str:
 def engine_args(scenario: Scenario) -> dict[str, Any]:
     """The scenario's engine settings as vLLM ``EngineArgs`` fields (same names, same
     meaning), in a stable order. ``num_gpu_blocks_override`` only when the scenario pins
-    the block count. A what-if memory policy (swap, a non-paged allocator, retention) is
+    the block count; a CPU offload tier as ``kv_offloading_size`` (vLLM's native backend).
+    A what-if memory policy vLLM 0.32 lacks (swap, a non-paged allocator, retention) is
     refused: vLLM 0.32 would run without it and the deployment would not be the simulated
     one."""
     e = scenario.engine
-    if what_if := e.what_if_policies():
+    if what_if := e.policies_vllm_lacks():
         raise KvsimConfigError(
             f"scenario {scenario.name!r}: engine: {'; '.join(what_if)}: vLLM 0.32 has no such "
             "policy, so an export would deploy a different engine than the one simulated; "
@@ -93,6 +94,9 @@ def engine_args(scenario: Scenario) -> dict[str, Any]:
     }
     if e.num_gpu_blocks_override is not None:
         args["num_gpu_blocks_override"] = e.num_gpu_blocks_override
+    if e.kv_offload_gib is not None:
+        args["kv_offloading_size"] = e.kv_offload_gib
+        args["kv_offloading_backend"] = "native"
     return args
 
 

@@ -174,6 +174,25 @@ def swap_summary(steps: pd.DataFrame, duration_s: float) -> dict[str, Any]:
     }
 
 
+def returning_turns(requests: pd.DataFrame) -> dict[str, Any]:
+    """What returning turns (turn >= 1 of an agent session) got from the KV cache: prompt
+    and cached tokens (prefix hits, and tokens loaded from a CPU offload tier), and how fast
+    they started. A workload without sessions has none."""
+    returning = requests[requests["turn"] >= 1] if "turn" in requests else requests.iloc[:0]
+    prompt = int(returning["prompt_tokens"].sum())
+    cached = int(returning["cached_tokens"].sum())
+    ttft = returning["ttft_s"].dropna()
+    return {
+        "num_requests": len(returning),
+        "prompt_tokens": prompt,
+        "cached_tokens": cached,
+        "prefix_hit_rate": cached / prompt if prompt else None,
+        "ttft_p50_s": float(ttft.quantile(0.5)) if len(ttft) else None,
+        "ttft_p90_s": float(ttft.quantile(0.9)) if len(ttft) else None,
+        "num_preemptions": int(returning["num_preemptions"].sum()),
+    }
+
+
 def _peak(steps: pd.DataFrame, name: str) -> int:
     """Largest value of a step column (0 for no steps)."""
     return int(steps[name].max()) if not steps.empty else 0

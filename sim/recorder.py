@@ -23,10 +23,12 @@ from sim.block_map import BlockMapRecorder
 from sim.request import Request
 from sim.scheduler.output import SchedulerOutput, StepUpdate
 from sim.step_record import (
+    OFFLOAD_STEP_COLUMNS,
     STEP_RECORD_COLUMNS,
     SWAP_STEP_COLUMNS,
     StepRecord,
     kv_unused_slots,
+    offload_step_values,
     step_record,
     swap_step_values,
 )
@@ -96,13 +98,25 @@ class Recorder:
         # The StepRecord columns, in order (swap runs add more after them).
         self._record_columns = list(self.steps.values())
         self._swap_columns: list[array] = []
+        self._offload_columns: list[array] = []
+
+    def _add_columns(
+        self, names: tuple[str, ...], float_names: tuple[str, ...] = ()
+    ) -> list[array]:
+        assert not len(self.steps["step"]), "columns are added before the first step"
+        for name in names:
+            self.steps[name] = array("d" if name in float_names else "q")
+        return [self.steps[name] for name in names]
 
     def add_swap_columns(self) -> None:
         """Give the step table the swap-preemption columns (before the first step)."""
-        assert not len(self.steps["step"]) and not self._swap_columns
-        for name in SWAP_STEP_COLUMNS:
-            self.steps[name] = array("d" if name == "swap_transfer_s" else "q")
-            self._swap_columns.append(self.steps[name])
+        assert not self._swap_columns
+        self._swap_columns = self._add_columns(SWAP_STEP_COLUMNS, ("swap_transfer_s",))
+
+    def add_offload_columns(self) -> None:
+        """Give the step table the CPU offload tier's columns (before the first step)."""
+        assert not self._offload_columns
+        self._offload_columns = self._add_columns(OFFLOAD_STEP_COLUMNS, ("offload_transfer_s",))
 
     def on_arrival(self, request: Request, meta: RequestMeta, now_s: float) -> None:
         record = RequestRecord(request, meta, now_s)
@@ -158,6 +172,12 @@ class Recorder:
             assert output.swap is not None
             for column, value in zip(
                 self._swap_columns, swap_step_values(output.swap), strict=True
+            ):
+                column.append(value)
+        if self._offload_columns:
+            assert output.offload is not None
+            for column, value in zip(
+                self._offload_columns, offload_step_values(output.offload), strict=True
             ):
                 column.append(value)
         if self.block_map is not None:

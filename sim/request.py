@@ -35,6 +35,8 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # CPU offload tier only: blocks given, waiting for their load from host memory.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
 
 

@@ -22,6 +22,7 @@ from sim.errors import KvsimConfigError
 from sim.fleet.dispatch import FleetDispatcher, Replica
 from sim.fleet.outputs import fleet_requests, fleet_section, fleet_steps
 from sim.fleet.routers import build_router
+from sim.kv.offload import offload_summary
 from sim.kv.retention import retention_summary
 from sim.kv.waste import WasteTrackingScheduler, wants_waste_tracking
 from sim.kv.waste import summary_section as waste_section
@@ -220,5 +221,13 @@ def simulate(
             [r.scheduler.kv_cache_manager.retention for r in replicas],  # type: ignore[misc]
             requests,
             duration_s,
+        )
+    if engine_cfg.kv_offload_gib is not None:
+        summary["offload"] = offload_summary(
+            [r.scheduler.offloader for r in replicas],  # type: ignore[misc]
+            requests,
+            steps,
+            duration_s,
+            sizing.bytes_per_block,
         )
     return SimulationResult(scenario, sizing, summary, requests, steps, block_map)

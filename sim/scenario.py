@@ -22,7 +22,7 @@ import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
 from sim.config.engine import EngineConfig
-from sim.config.hardware import Hardware, resolve_hardware
+from sim.config.hardware import GIB, Hardware, resolve_hardware
 from sim.config.limits import MAX_SECONDS, MAX_SEED, KvsimModel
 from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
@@ -129,6 +129,17 @@ class Scenario(KvsimModel):
                 "config.json); vLLM refuses it (unless VLLM_ALLOW_LONG_MAX_MODEL_LEN=1, which "
                 f"garbles positions past {limit}): lower engine.max_model_len"
             )
+        host = self.hardware.host_memory_bytes
+        # swap_space_gib is per GPU (V0's --swap-space), kv_offload_gib the engine's.
+        for field, gpus in (("swap_space_gib", 1), ("kv_offload_gib", e.tensor_parallel_size)):
+            gib = getattr(e, field)
+            if host is not None and gib is not None and gib * GIB > host * gpus:
+                raise ValueError(
+                    f"engine.{field}={gib:g} GiB is more host memory than hardware "
+                    f"{self.hardware.name} has for {gpus} GPU(s) ({host * gpus / GIB:g} GiB, "
+                    f"host_memory_bytes per GPU): lower engine.{field} or set the "
+                    "hardware's host_memory_bytes"
+                )
         self.model.check_tensor_parallel(e.tensor_parallel_size)
         return self
 
@@ -322,4 +333,5 @@ VLLM_MEMORY_POLICY = (
     ("allocator", "paged"),
     ("preemption_mode", "recompute"),
     ("swap_space_gib", None),
+    ("kv_offload_gib", None),
 )

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
+from sim.kv.offload import OffloadStep
 from sim.kv.swap import SwapStep
 from sim.scheduler.output import BatchShape, SchedulerOutput
 
@@ -172,6 +173,34 @@ def swap_step_values(swap: SwapStep) -> tuple[int | float, ...]:
         len(swap.swapped_in_ids),
         len(swap.fallback_ids),
         swap.num_swapped,
+    )
+
+
+# Extra step columns of a run with a CPU offload tier (engine.kv_offload_gib) only.
+OFFLOAD_STEP_COLUMNS: tuple[str, ...] = (
+    "offload_stored_blocks",  # blocks whose copy to the CPU store started after this step
+    "offload_loaded_blocks",  # blocks whose load from the CPU store started with this step
+    # First admissions only (as vLLM's external_prefix_cache_queries / _hits count them):
+    "offload_query_tokens",  # tokens asked of the CPU store (past the HBM hits)
+    "offload_hit_tokens",  # of them, hits (their loads started)
+    "offload_dropped_blocks",  # blocks of offers the full store dropped (again if re-offered)
+    "num_requests_loading",  # requests waiting for their load after scheduling
+    "offload_store_blocks",  # blocks in the CPU store after the step
+    "offload_transfer_s",  # PCIe seconds of the copies started (both ways; not in duration_s)
+)
+
+
+def offload_step_values(offload: OffloadStep) -> tuple[int, ...]:
+    """One step's values of :data:`OFFLOAD_STEP_COLUMNS`, in order."""
+    return (
+        offload.stored_blocks,
+        offload.loaded_blocks,
+        offload.query_tokens,
+        offload.hit_tokens,
+        offload.dropped_blocks,
+        offload.num_loading,
+        offload.store_blocks_used,
+        offload.transfer_s,
     )
 
 

@@ -65,11 +65,16 @@ def engine_kwargs(
             "routers exist only in the simulator; remove the fleet section to replay (or "
             "validate) one replica's engine"
         )
-    what_if = scenario.engine.what_if_policies()
-    if what_if:
+    if what_if := scenario.engine.policies_vllm_lacks():
         raise KvsimConfigError(
             f"engine: {'; '.join(what_if)}: a replay runs vLLM 0.32 itself, which has no such "
             "policy; drop it to replay (or validate) the scenario"
+        )
+    if (gib := scenario.engine.kv_offload_gib) is not None:
+        raise KvsimConfigError(
+            f"engine.kv_offload_gib={gib:g}: kvsim's replay records vLLM's scheduler without "
+            "a KV connector, and vLLM's offloading connector needs a CUDA or XPU GPU; "
+            "remove engine.kv_offload_gib to replay (or validate) the scenario"
         )
     e = scenario.engine
     # The scenario's engine settings, named as kvsim exports them for rollout (one mapping),

@@ -31,7 +31,7 @@ with st.spinner("Loading..."):
         session_waterfall,
     )
     from dashboard.errors import guard, show_error
-    from dashboard.loaders import RunView, load_block_map, load_view
+    from dashboard.loaders import BlockMap, RunView, load_block_map, load_view
     from dashboard.locations import runs_dir
     from dashboard.tables import IMBALANCES, fleet_frame, router_line
 
@@ -193,24 +193,48 @@ def _block_map(path: Path, fleet: bool) -> None:
         charts.block_strip_figure(row, block_map.classes, float(times[index])), key="ex-strip"
     )
     if block_map.cpu_states is not None:
-        _cpu_swap_pool(block_map.times_s, block_map.cpu_states, block_map.classes, index)
+        _cpu_map(block_map, index)
 
 
-def _cpu_swap_pool(times: np.ndarray, cpu: np.ndarray, classes: list[str], index: int) -> None:
-    """The CPU swap pool of a swap-preemption run (a what-if): swapped-out KV per block."""
-    st.subheader("CPU swap pool (what-if: swap preemption)")
+# The CPU map of a what-if run, by kind: title, who holds a block, what state 1 means, what
+# the held blocks are, and how they relate to the HBM map.
+_CPU_MAPS = {
+    "swap": (
+        "CPU swap pool (what-if: swap preemption)",
+        "swapped out",
+        "(unused)",
+        "hold swapped-out KV",
+        "a swapped-out request's HBM blocks are freed, so the HBM map above does not show them",
+    ),
+    "offload": (
+        "CPU offload store (what-if: vLLM's offloading connector)",
+        "being loaded",
+        "stored (prefix copy)",
+        "hold stored prefix blocks",
+        "a block stays in the store after HBM evicts it; a prefix lookup that misses in HBM "
+        "loads it back",
+    ),
+}
+
+
+def _cpu_map(block_map: BlockMap, index: int) -> None:
+    """The CPU side of a swap or offload run (a what-if): KV per CPU block."""
+    title, owner, cached, held_what, relation = _CPU_MAPS[block_map.cpu_kind or "swap"]
+    cpu = block_map.cpu_states
+    assert cpu is not None
+    times = block_map.times_s
+    st.subheader(title)
     if cpu.shape[1] == 0:
-        st.info("The swap pool has no blocks.")
+        st.info("The CPU pool has no blocks.")
         return
     fig, note = charts.block_map_figure(
-        times, cpu, classes, index, owner="swapped out", pool="CPU block"
+        times, cpu, block_map.classes, index, owner=owner, pool="CPU block", cached=cached
     )
     st.plotly_chart(fig, key="ex-cpumap")
     held = int(np.count_nonzero(cpu[index]))
     st.caption(
-        f"t = {times[index]:,.2f} s: {held:,} of {cpu.shape[1]:,} CPU blocks hold swapped-out "
-        "KV (a swapped-out request's HBM blocks are freed, so the HBM map above does not show "
-        "them)." + (f" {note[0].upper()}{note[1:]}." if note else "")
+        f"t = {times[index]:,.2f} s: {held:,} of {cpu.shape[1]:,} CPU blocks {held_what} "
+        f"({relation})." + (f" {note[0].upper()}{note[1:]}." if note else "")
     )
 
 

@@ -60,7 +60,9 @@ def setup_section(study: Study) -> list[str]:
         f"below: {_fmt(study.base_rate, '.4g')}.",
         f"- kvsim {__version__}. Rows marked *vLLM-exact* are configurations vLLM 0.32 runs "
         "(kvsim reproduces its scheduler step for step); *what-if* rows are policies vLLM 0.32 "
-        "does not run as configured, simulated on the same engine.",
+        "does not run as configured, simulated on the same engine, and the CPU offload tier: "
+        "vLLM 0.32's own, modelled from its source but not checked against it (its CPU build "
+        "cannot run it).",
         "",
     ]
 
@@ -223,7 +225,13 @@ def pressure_section(study: Study) -> list[str]:
             continue
         summary = result["summary"]
         m = summary["metrics"]
-        transfer = (summary.get("swap") or {}).get("transfer_time_s")
+        moved = summary.get("swap") or summary.get("offload") or {}
+        transfer = moved.get("transfer_time_s")
+        note = r["note"] or ""
+        if "offload" in summary:  # its hits are counted apart from HBM's
+            note = "; ".join(
+                filter(None, [note, f"CPU store hit rate {_pct(moved.get('hit_rate'))}"])
+            )
         rows.append(
             [
                 v.label,
@@ -236,7 +244,7 @@ def pressure_section(study: Study) -> list[str]:
                 str(m[PREEMPTIONS]["total"]),
                 _fmt(transfer, ".3g"),
                 _fmt(m[TTFT]["p99"]),
-                r["note"] or "",
+                note,
             ]
         )
     header = ["policy", "kind", "prefill tokens", "of them computed again", "busy s",

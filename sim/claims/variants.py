@@ -12,6 +12,8 @@ from sim.config.engine import EngineConfig
 
 # Host memory given to swap and offload variants: a fraction of a typical 8-GPU host's RAM.
 SWAP_SPACE_GIB = 64
+# An offload tier sized to hold agents' contexts: most of a DGX H100's 256 GiB per GPU.
+LARGE_OFFLOAD_GIB = 192
 
 
 @dataclass(frozen=True)
@@ -64,8 +66,15 @@ SESSION_VARIANTS: tuple[Variant, ...] = (
     ),
     Variant(
         "offload",
-        "CPU offload tier (vLLM offloading connector)",
+        f"CPU offload tier of {SWAP_SPACE_GIB} GiB (vLLM's offloading connector)",
         (f"engine.kv_offload_gib={SWAP_SPACE_GIB}",),
+        requires="kv_offload_gib",
+        vllm_exact=False,
+    ),
+    Variant(
+        "offload_large",
+        f"CPU offload tier of {LARGE_OFFLOAD_GIB} GiB (3/4 of a DGX H100's RAM per GPU)",
+        (f"engine.kv_offload_gib={LARGE_OFFLOAD_GIB}",),
         requires="kv_offload_gib",
         vllm_exact=False,
     ),

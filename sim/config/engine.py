@@ -115,6 +115,16 @@ class EngineConfig(KvsimModel):
         "--swap-space); its KV blocks are this many bytes over the per-GPU block size. "
         "Must be unset with preemption_mode=recompute.",
     )
+    kv_offload_gib: float | None = Field(
+        None,
+        gt=0.0,
+        le=MAX_SWAP_SPACE_GIB,
+        description="Host memory in GiB for a CPU offload tier, for the whole engine (all its "
+        "GPUs' shards; vLLM's --kv-offloading-size): a what-if with vLLM 0.32's offloading "
+        "connector. Full prompt blocks are stored to an LRU store in host RAM as they are "
+        "computed, and a prefix lookup that misses in HBM loads the blocks it hits there over "
+        "PCIe before the request runs. Unset: no offload tier.",
+    )
     kv_retention: RetentionConfig = Field(
         default_factory=RetentionConfig,
         description="Session-aware KV retention during tool waits (a what-if; policy none, "
@@ -122,14 +132,27 @@ class EngineConfig(KvsimModel):
     )
 
     def what_if_policies(self) -> list[str]:
-        """The memory policies this config turns on that vLLM 0.32 does not run as configured
-        (swap preemption, a CPU offload tier, KV retention, a non-paged allocator), each as one
-        line for the outputs; empty for the vLLM-exact engine.
+        """The memory policies this config turns on that kvsim does not run as vLLM 0.32
+        does, step for step (swap preemption, a non-paged allocator, KV retention: vLLM 0.32
+        has none of them; a CPU offload tier: vLLM 0.32's own, modelled from its source but
+        not checked against it), each as one line for the outputs; empty for the vLLM-exact
+        engine.
 
         Results of a run with any of them are what-ifs: ``summary.json`` says so under
         ``what_if``, and the engine runs every step through the scheduler (the stretch
         fast path is proven exact only for the vLLM-exact engine).
         """
+        policies = self.policies_vllm_lacks()
+        if self.kv_offload_gib is not None:
+            policies.append(
+                f"CPU offload tier of {self.kv_offload_gib:g} GiB (vLLM 0.32's offloading "
+                "connector, --kv-offloading-size, modelled from its source; not checked "
+                "against vLLM, whose CPU build cannot run it)"
+            )
+        return policies
+
+    def policies_vllm_lacks(self) -> list[str]:
+        """The what-if policies vLLM 0.32 cannot run at all (what an export refuses)."""
         policies: list[str] = []
         if self.preemption_mode == "swap":
             policies.append("swap preemption (vLLM V0 semantics; vLLM 0.32 preempts by recompute)")
@@ -178,6 +201,35 @@ class EngineConfig(KvsimModel):
                 f"engine.swap_space_gib={self.swap_space_gib:g} is set but "
                 "engine.preemption_mode=recompute never swaps: set engine.preemption_mode=swap "
                 "or remove engine.swap_space_gib"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> EngineConfig:
+        gib = self.kv_offload_gib
+        if gib is None:
+            return self
+        if self.allocator != "paged" or not self.enable_prefix_caching:
+            what = (
+                f"engine.allocator={self.allocator}"
+                if self.allocator != "paged"
+                else "engine.enable_prefix_caching=false"
+            )
+            raise ValueError(
+                f"engine.kv_offload_gib={gib:g} stores and finds KV blocks by their "
+                f"prefix-cache hash, and {what} has none: use paged KV with prefix caching "
+                "or remove engine.kv_offload_gib"
+            )
+        if self.kv_retention.policy != "none":
+            raise ValueError(
+                f"engine.kv_offload_gib={gib:g} and engine.kv_retention.policy="
+                f"{self.kv_retention.policy} are two what-ifs kvsim does not combine yet: "
+                "use one of the two"
+            )
+        if self.preemption_mode == "swap":
+            raise ValueError(
+                f"engine.kv_offload_gib={gib:g} is vLLM V1's offloading connector and "
+                "engine.preemption_mode=swap is vLLM V0's swap: kvsim runs one or the other"
             )
         return self
 

@@ -50,6 +50,13 @@ class Hardware(KvsimModel):
         "tensor-parallel all-reduce goes over PCIe.",
     )
 
+    host_memory_bytes: int | None = Field(
+        None,
+        ge=0,
+        le=MAX_HBM_BYTES * 64,
+        description="Host RAM per GPU (the server's memory over its GPUs), the bound on swap "
+        "space and a CPU offload tier; None: unknown, not checked.",
+    )
     sm_count: int | None = Field(
         None,
         ge=1,
@@ -88,6 +95,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
     for hw in (
         Hardware(
             name="H100-SXM-80GB",
+            host_memory_bytes=256 * GIB,  # DGX H100: 2 TB over 8 GPUs
             sm_count=132,
             source="NVIDIA H100 SXM datasheet; torch total_memory 81089 MiB (79.19 GiB)",
             hbm_bytes=81_089 * MIB,
@@ -98,6 +106,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="H200-141GB",
+            host_memory_bytes=256 * GIB,  # DGX H200: 2 TB over 8 GPUs
             sm_count=132,
             # Measured on one H200 (validate/profiles/h200-llama-3.1-8b.json): 4.25 TB/s
             # device copy, 792-799 TFLOP/s bf16 matmul, 55.4 GB/s pinned host<->device each
@@ -114,6 +123,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="A100-80GB",
+            host_memory_bytes=128 * GIB,  # DGX A100: 1 TB over 8 GPUs
             sm_count=108,
             source="NVIDIA A100 SXM4 80GB datasheet; torch total_memory 81050 MiB (79.15 GiB)",
             hbm_bytes=81_050 * MIB,
@@ -134,6 +144,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {
         ),
         Hardware(
             name="B200",
+            host_memory_bytes=512 * GIB,  # DGX B200: 4 TB over 8 GPUs
             sm_count=148,
             source="NVIDIA DGX B200 datasheet; torch total_memory 182642 MiB (178.36 GiB)",
             hbm_bytes=182_642 * MIB,

@@ -308,6 +308,61 @@ class KVCacheManager:
             self.cache_blocks(request, num_tokens_to_cache)
         return new_blocks
 
+    # -- the CPU offload tier (sim/kv/offload.py) ------------------------------------------------
+    def allocate_for_load(
+        self,
+        request: Request,
+        hits: Sequence[int],
+        num_external_tokens: int,
+        reserved_blocks: int,
+        has_scheduled_reqs: bool,
+    ) -> bool:
+        """Admit a request whose next ``num_external_tokens`` after its ``hits`` are loaded
+        from the CPU offload tier: vLLM's ``allocate_slots`` with no new tokens,
+        ``num_external_computed_tokens`` and ``delay_cache_blocks`` (the loaded blocks are
+        registered once the load has finished: :meth:`cache_blocks`), the full-sequence
+        check, and ``reserved_blocks`` kept free for the prefills in flight. False, with
+        nothing changed, when the blocks are short."""
+        pool = self.block_pool
+        num_hit = len(hits)
+        watermark_blocks = self.watermark_blocks if has_scheduled_reqs else 0
+        if _short(pool, self._full_sequence_new_blocks(request, num_hit) + watermark_blocks, hits):
+            return False
+        total = min(num_hit * self.block_size + num_external_tokens, self.max_model_len)
+        num_new_blocks = max(cdiv(total, self.block_size) - num_hit, 0)
+        if _short(pool, num_new_blocks + watermark_blocks + reserved_blocks, hits):
+            return False
+        if self.enable_caching:
+            pool.touch(hits)
+        blocks = self.req_to_blocks[request.request_id] = list(hits)
+        self.num_cached_block[request.request_id] = num_hit
+        blocks.extend(pool.get_new_blocks(num_new_blocks) if num_new_blocks > 0 else ())
+        return True
+
+    def allocate_after_load(
+        self, request: Request, num_new_tokens: int, has_scheduled_reqs: bool
+    ) -> list[int] | None:
+        """Schedule the rest of a request whose load has finished (it holds its blocks and
+        is WAITING or PREEMPTED): vLLM's ``allocate_slots`` with the full-sequence check and
+        the watermark of an admission."""
+        blocks = self.req_to_blocks[request.request_id]
+        watermark_blocks = self.watermark_blocks if has_scheduled_reqs else 0
+        full = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
+        if full - len(blocks) + watermark_blocks > self.block_pool.num_free_blocks:
+            return None
+        need = min(request.num_computed_tokens + num_new_tokens, self.max_model_len)
+        if cdiv(need, self.block_size) - len(blocks) + watermark_blocks > (
+            self.block_pool.num_free_blocks
+        ):
+            return None
+        return self._grow(request, blocks, num_new_tokens, num_new_tokens)
+
+    def remaining_blocks(self, request: Request) -> int:
+        """Blocks the request still needs to hold its whole sequence (vLLM's
+        ``_request_remaining_blocks``)."""
+        full = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
+        return max(full - len(self.req_to_blocks.get(request.request_id, ())), 0)
+
     def _full_sequence_new_blocks(self, request: Request, num_hit: int) -> int:
         """Blocks beyond its ``num_hit`` prefix hits that the request's whole sequence takes
         (the hits on free blocks cost a free block too: see :func:`_short`)."""

@@ -48,6 +48,7 @@ import pandas as pd
 
 from sim.config.retention import RetentionConfig
 from sim.kv.block_pool import BlockPool
+from sim.metrics import returning_turns
 from sim.request import Request
 
 RETURN, EXPIRY, FLOOR, STARVED = "return", "expiry", "floor", "starved"
@@ -238,11 +239,6 @@ class KVRetention:
         return total
 
 
-def _quantile(values: pd.Series, q: float) -> float | None:
-    values = values.dropna()
-    return float(values.quantile(q)) if len(values) else None
-
-
 def retention_summary(
     config: RetentionConfig,
     retentions: Iterable[KVRetention],
@@ -253,22 +249,11 @@ def retention_summary(
     of a session) got from the prefix cache and how fast they started, and what the pins
     cost (blocks held idle, releases by reason, preemptions)."""
     retentions = list(retentions)
-    returning = requests[requests["turn"] >= 1]
-    prompt = int(returning["prompt_tokens"].sum())
-    cached = int(returning["cached_tokens"].sum())
     block_s = sum(r.held_block_s_until(duration_s) for r in retentions)
     return {
         "policy": config.policy,
         "config": config.model_dump(mode="json"),
-        "returning_turns": {
-            "num_requests": len(returning),
-            "prompt_tokens": prompt,
-            "cached_tokens": cached,
-            "prefix_hit_rate": cached / prompt if prompt else None,
-            "ttft_p50_s": _quantile(returning["ttft_s"], 0.5),
-            "ttft_p90_s": _quantile(returning["ttft_s"], 0.9),
-            "num_preemptions": int(returning["num_preemptions"].sum()),
-        },
+        "returning_turns": returning_turns(requests),
         "num_preemptions": int(requests["num_preemptions"].sum()),
         "num_retentions": sum(r.num_retentions for r in retentions),
         "num_retained_blocks": sum(r.num_retained_blocks for r in retentions),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sim.kv.offload import OffloadStep
 from sim.kv.swap import SwapStep
 from sim.request import Request
 
@@ -53,6 +54,8 @@ class SchedulerOutput:
     num_waiting: int = 0
     # Swap preemption only (engine.preemption_mode=swap): this step's block copies.
     swap: SwapStep | None = None
+    # CPU offload tier only (engine.kv_offload_gib): this step's stores and loads.
+    offload: OffloadStep | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from sim.config.engine import EngineConfig
 from sim.kv.allocators import make_kv_manager
+from sim.kv.offload import Offloader, num_offload_blocks
 from sim.kv.swap import Swapper, num_cpu_blocks
 from sim.request import Request, RequestStatus
 from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate
@@ -82,6 +83,19 @@ class Scheduler:
                 num_cpu_blocks(config.swap_space_gib, bytes_per_block),
                 bytes_per_block,
             )
+        # CPU offload tier only: the connector's side, and the requests that hold blocks
+        # while they wait (their load in flight or just done; vLLM's kv_holding_waiting).
+        self.offloader: Offloader | None = None
+        self.loading = self.policy.new_waiting_queue()
+        self._carried_counts = (0, 0, 0)
+        if config.kv_offload_gib is not None:
+            self.offloader = Offloader(
+                num_offload_blocks(
+                    config.kv_offload_gib, bytes_per_block, config.tensor_parallel_size
+                ),
+                config.block_size,
+                bytes_per_block,
+            )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
@@ -90,10 +104,15 @@ class Scheduler:
     # -- queries ------------------------------------------------------------------------------
     @property
     def num_unfinished_requests(self) -> int:
-        return len(self.running) + len(self.waiting) + len(self.swapped)
+        return len(self.running) + len(self.waiting) + len(self.swapped) + len(self.loading)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.running) or len(self.waiting) > 0 or len(self.swapped) > 0
+        return (
+            bool(self.running)
+            or len(self.waiting) > 0
+            or len(self.swapped) > 0
+            or len(self.loading) > 0
+        )
 
     # -- transitions --------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -135,7 +154,10 @@ class Scheduler:
         threshold = self.long_prefill_token_threshold
         swapper = self.swapper
         num_swapped = len(self.swapped) if swapper is not None else 0
-        if len(running) + len(self.waiting) + num_swapped <= 1:
+        offloader = self.offloader
+        # Requests holding blocks while they wait for a load count as waiting.
+        num_loading = len(self.loading) if offloader is not None else 0
+        if len(running) + len(self.waiting) + num_swapped + num_loading <= 1:
             threshold = 0
 
         # 1. RUNNING requests.
@@ -182,7 +204,18 @@ class Scheduler:
         # 2. WAITING requests, unless this step had to preempt; while swapped requests wait
         # (swap preemption), only those the policy puts ahead of them.
         num_query_tokens = num_hit_tokens = num_resumed_hit_tokens = 0
-        if not preempted:
+        if offloader is not None:
+            # Counts of a step that ran nothing (discard_empty_step) go to this one.
+            num_query_tokens, num_hit_tokens, num_resumed_hit_tokens = self._carried_counts
+            self._carried_counts = (0, 0, 0)
+            if not preempted:
+                counts = self._schedule_waiting_offload(
+                    token_budget, threshold, num_scheduled, admitted_ids, admitted_hit_tokens
+                )
+                num_query_tokens += counts[0]
+                num_hit_tokens += counts[1]
+                num_resumed_hit_tokens += counts[2]
+        elif not preempted:
             waiting = self.waiting
             swapped = self.swapped if swapper is not None else None
             while token_budget > 0 and len(waiting) and len(running) < self.max_num_seqs:
@@ -190,21 +223,8 @@ class Scheduler:
                 if swapped and not self.policy.ahead_of_swapped(request, swapped.peek()):
                     break
                 hit_blocks, num_hit = kv.get_computed_blocks(request)
-                num_new = request.num_tokens - num_hit
-                if 0 < threshold < num_new:
-                    num_new = threshold
-                if not self.enable_chunked_prefill and num_new > token_budget:
-                    break
-                num_new = min(num_new, token_budget)
-                new_blocks = kv.allocate_slots(
-                    request,
-                    num_new,
-                    num_new_computed_tokens=num_hit,
-                    new_computed_blocks=hit_blocks,
-                    full_sequence_must_fit=True,
-                    has_scheduled_reqs=bool(running),
-                )
-                if new_blocks is None:
+                num_new = self._first_chunk(request.num_tokens - num_hit, threshold, token_budget)
+                if num_new is None or self._admit_slots(request, num_new, hit_blocks) is None:
                     break
                 if kv.enable_caching:
                     # vLLM counts re-admissions after preemption apart from first lookups.
@@ -258,6 +278,45 @@ class Scheduler:
             num_running=len(running),
             num_waiting=len(self.waiting),
             swap=None if swapper is None else swapper.take_step(len(self.swapped)),
+            offload=None if offloader is None else offloader.take_step(len(self.loading)),
+        )
+
+    def discard_empty_step(self, output: SchedulerOutput) -> None:
+        """Take back a step that schedules nothing while loads from the CPU offload tier are
+        in flight (the engine waits for one instead of running empty steps): its number is
+        reused, its counts go to the next step."""
+        assert output.is_empty and output.offload is not None and self.offloader is not None
+        self.num_steps -= 1
+        self._carried_counts = (
+            self._carried_counts[0] + output.num_prefix_query_tokens,
+            self._carried_counts[1] + output.num_prefix_hit_tokens,
+            self._carried_counts[2] + output.num_resumed_prefix_hit_tokens,
+        )
+        self.offloader.carry(output.offload)
+
+    def _first_chunk(self, num_new: int, threshold: int, token_budget: int) -> int | None:
+        """Tokens a waiting request computes in the step that admits it, out of the
+        ``num_new`` it lacks: capped by the long-prefill threshold and the budget left;
+        None when chunked prefill is off and they do not fit (admission stops)."""
+        if 0 < threshold < num_new:
+            num_new = threshold
+        if not self.enable_chunked_prefill and num_new > token_budget:
+            return None
+        return min(num_new, token_budget)
+
+    def _admit_slots(
+        self, request: Request, num_new: int, hit_blocks: list[int]
+    ) -> list[int] | None:
+        """Blocks for admitting a waiting request after its prefix hits (vLLM's admission
+        ``allocate_slots``: the full sequence must fit, the watermark applies once someone
+        is scheduled), or None."""
+        return self.kv_cache_manager.allocate_slots(
+            request,
+            num_new,
+            num_new_computed_tokens=len(hit_blocks) * self.kv_cache_manager.block_size,
+            new_computed_blocks=hit_blocks,
+            full_sequence_must_fit=True,
+            has_scheduled_reqs=bool(self.running),
         )
 
     def _schedule_swapped(
@@ -277,13 +336,10 @@ class Scheduler:
             num_new = min(
                 len(request.token_ids) - num_computed, self.max_model_len - num_computed - 1
             )
-            if 0 < threshold < num_new:
-                num_new = threshold
-            if not self.enable_chunked_prefill and num_new > token_budget:
+            chunk = self._first_chunk(num_new, threshold, token_budget)
+            if chunk is None or chunk <= 0:
                 break
-            num_new = min(num_new, token_budget)
-            if num_new <= 0:
-                break
+            num_new = chunk
             # Full computed blocks still cached in HBM are reused, not copied (V0's swap-in
             # allocated full blocks through the prefix cache); the rest get fresh blocks.
             hits, num_hit = kv.get_computed_blocks(request)
@@ -312,6 +368,110 @@ class Scheduler:
             token_budget -= num_new
         return token_budget
 
+    def _schedule_waiting_offload(
+        self,
+        token_budget: int,
+        threshold: int,
+        num_scheduled: dict[str, int],
+        admitted_ids: list[str],
+        admitted_hit_tokens: list[int],
+    ) -> tuple[int, int, int]:
+        """Step 2 with the CPU offload tier (vLLM's waiting pass with the offloading
+        connector; see ``sim/kv/offload.py``): the requests holding blocks first (loads in
+        flight or done), then the waiting queue. A request whose load is in flight, or whose
+        lookup must wait for a transfer, is skipped (it keeps its place for the next step)
+        and the pass goes on; one whose store lookup hits is given its blocks and its load
+        starts, also without budget or a running slot. Returns the prefix-cache counts
+        (queries, hits, hits on re-admission)."""
+        kv = self.kv_cache_manager
+        offloader = self.offloader
+        assert offloader is not None
+        running = self.running
+        block_size = kv.block_size
+        skipped_loading: list[Request] = []
+        skipped_waiting: list[Request] = []
+        # Prefix-cache counts of the admissions that looked up (queries, hits, re-admission
+        # hits), counted once the blocks are given, as vLLM records them.
+        counts = [0, 0, 0]
+
+        def count_lookup(request: Request, num_hit: int, num_external: int = 0) -> None:
+            offloader.count_lookup(request, num_hit, num_external)
+            if request.num_preemptions:
+                counts[2] += num_hit
+            else:
+                counts[0] += request.num_tokens
+                counts[1] += num_hit
+
+        while token_budget > 0:
+            queue = self.loading if len(self.loading) else self.waiting
+            if not len(queue) or len(running) >= self.max_num_seqs:
+                break
+            request = queue.peek()
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if not offloader.load_done(request):
+                    skipped_loading.append(queue.pop())
+                    continue
+                kv.cache_blocks(request, request.num_computed_tokens)
+                if request.num_computed_tokens == request.num_tokens:
+                    request.num_computed_tokens -= 1  # the last token samples the next
+                request.status = (
+                    RequestStatus.PREEMPTED if request.num_preemptions else RequestStatus.WAITING
+                )
+            num_hit = 0
+            if request.num_computed_tokens == 0:
+                hit_blocks, num_hit = kv.get_computed_blocks(request)
+                num_ext_blocks = offloader.lookup(request, len(hit_blocks))
+                if num_ext_blocks is None:  # a transfer first: ask again next step
+                    skipped_waiting.append(queue.pop())
+                    continue
+                if num_ext_blocks:
+                    num_external = num_ext_blocks * block_size
+                    # Blocks for the hits and the loaded tokens; the load runs between steps.
+                    reserved = sum(
+                        kv.remaining_blocks(r)
+                        for r in (*running, *self.loading, *skipped_loading)
+                        if r.num_computed_tokens + num_scheduled.get(r.request_id, 0) < r.num_tokens
+                    )
+                    if not kv.allocate_for_load(
+                        request, hit_blocks, num_external, reserved, bool(running)
+                    ):
+                        break
+                    offloader.start_load(request, len(hit_blocks), num_ext_blocks)
+                    count_lookup(request, num_hit, num_external)
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    request.num_computed_tokens = num_hit + num_external
+                    queue.pop()
+                    skipped_loading.append(request)
+                    continue
+                num_new = request.num_tokens - num_hit
+            else:
+                num_new = request.num_tokens - request.num_computed_tokens
+            chunk = self._first_chunk(num_new, threshold, token_budget)
+            if chunk is None:
+                break
+            num_new = chunk
+            if request.num_computed_tokens == 0:
+                new_blocks = self._admit_slots(request, num_new, hit_blocks)
+                if new_blocks is not None:
+                    count_lookup(request, num_hit)
+            else:
+                num_hit = request.num_computed_tokens  # loaded, and HBM hits before them
+                new_blocks = kv.allocate_after_load(request, num_new, bool(running))
+            if new_blocks is None:
+                break
+            queue.pop()
+            running.append(request)
+            request.mark_running(num_hit)
+            admitted_ids.append(request.request_id)
+            admitted_hit_tokens.append(num_hit)
+            num_scheduled[request.request_id] = num_new
+            token_budget -= num_new
+        # The skipped keep their places, ahead of the rest (vLLM prepends them back).
+        for queue, skipped in ((self.loading, skipped_loading), (self.waiting, skipped_waiting)):
+            for request in reversed(skipped):
+                queue.prepend(request)
+        return counts[0], counts[1], counts[2]
+
     def update_from_output(self, output: SchedulerOutput) -> StepUpdate:
         """Apply a finished step: sample tokens, finish and free requests."""
         sampled: list[Request] = []
@@ -333,6 +493,8 @@ class Scheduler:
             ):
                 request.mark_finished()
                 self.kv_cache_manager.free(request)
+                if self.offloader is not None:
+                    self.offloader.on_finished(request)
                 del requests[request_id]
                 finished.append(request)
         if finished:

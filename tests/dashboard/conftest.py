@@ -74,3 +74,10 @@ def swap_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "swap-small",
         ["engine.preemption_mode=swap", "engine.swap_space_gib=2"],
     )
+
+
+@pytest.fixture(scope="session")
+def offload_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``offload-small``: a 2 GiB CPU offload tier (a what-if) that loads prefixes back,
+    with its CPU store map."""
+    return one_priority_mix_run(tmp_path_factory, "offload-small", ["engine.kv_offload_gib=2"])

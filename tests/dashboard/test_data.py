@@ -215,6 +215,31 @@ def test_policy_knobs_write_the_swap_space_only_with_swap() -> None:
     assert back.engine.swap_space_gib is None and not back.engine.what_if_policies()
 
 
+def test_offload_knob_writes_the_tier_and_zero_removes_it() -> None:
+    import yaml
+
+    document = yaml.safe_load((SCENARIO_DIR / "agent-burst.yaml").read_text())
+    knobs = {k.path: k for k in knobs_for(document)}
+    assert knobs["engine.kv_offload_gib"].default == 0.0  # no tier: shown as 0
+    values = {path: k.default for path, k in knobs.items()}
+    assert build_overrides(list(knobs.values()), values) == []
+    values["engine.kv_offload_gib"] = 32.0
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == ["engine.kv_offload_gib=32.0"]
+    scenario = scenario_from(document, overrides, "x.yaml", SCENARIO_DIR)
+    assert scenario.engine.kv_offload_gib == 32.0 and scenario.engine.what_if_policies()
+
+    offloading = scenario.model_dump(mode="json")
+    knobs = {k.path: k for k in knobs_for(offloading)}
+    values = {path: k.default for path, k in knobs.items()}
+    assert values["engine.kv_offload_gib"] == 32.0
+    values["engine.kv_offload_gib"] = 0.0
+    overrides = build_overrides(list(knobs.values()), values)
+    assert overrides == ["engine.kv_offload_gib=null"]
+    back = scenario_from(offloading, overrides, "x.yaml", SCENARIO_DIR)
+    assert back.engine.kv_offload_gib is None and not back.engine.what_if_policies()
+
+
 def test_retention_knobs_write_only_what_changed() -> None:
     import yaml
 

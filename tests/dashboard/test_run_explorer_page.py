@@ -142,6 +142,27 @@ def test_run_explorer_swap_run_shows_the_cpu_swap_pool(
     assert [t for t in ticks if t.startswith("swapped out: ")]
 
 
+def test_run_explorer_offload_run_shows_the_cpu_store(
+    offload_run: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(offload_run))
+    at = open_page(start_app(), "run_explorer")
+    assert not at.error, texts(at.error)
+    heads = texts(at.subheader)
+    cpu_head = "CPU offload store (what-if: vLLM's offloading connector)"
+    assert heads.index(cpu_head) == heads.index("HBM block map") + 1
+    cpu = np.load(offload_run / "offload-small" / "block_map.npz")["cpu_states"]
+    index = len(cpu) - 1  # the slider starts at the last snapshot
+    held = int(np.count_nonzero(cpu[index]))
+    assert held > 0
+    expected = f"{held:,} of {cpu.shape[1]:,} CPU blocks hold stored prefix blocks"
+    assert any(c.startswith("t = ") and expected in c for c in texts(at.caption))
+    (chart,) = [c for c in charts(at) if c.proto.id.endswith("-ex-cpumap")]
+    ticks = json.loads(chart.proto.spec)["data"][0]["colorbar"]["ticktext"]
+    assert ticks[1] == "stored (prefix copy)"
+    assert [t for t in ticks if t.startswith("being loaded: ")]
+
+
 def test_run_explorer_without_block_map_and_bad_dir(runs_env: Path, tmp_path: Path) -> None:
     at = open_page(start_app(), "run_explorer")
     at.selectbox(key="ex-select").set_value(runs_env / "coding-small").run()

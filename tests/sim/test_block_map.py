@@ -76,14 +76,15 @@ def test_snapshots_match_the_pool_block_by_block(
 
 
 class CheckedCpuMap(BlockMapRecorder):
-    """Checks every CPU swap pool snapshot against the swap pool's tables at that moment."""
+    """Checks every CPU map snapshot against the CPU pool at that moment: the swap pool's
+    tables here, the offload store in :class:`CheckedOffloadMap`."""
 
     instances: ClassVar[list[CheckedCpuMap]] = []
 
     def __init__(self) -> None:
         super().__init__(max_snapshots=10_000, first_interval=3)
-        self.with_swapped = 0  # snapshots showing swapped-out blocks
-        CheckedCpuMap.instances.append(self)
+        self.with_held = 0  # snapshots showing blocks held for a request
+        type(self).instances.append(self)
 
     def maybe_snapshot(
         self, step: int, now_s: float, scheduler: Scheduler, class_of: Callable[[str], str]
@@ -92,15 +93,21 @@ class CheckedCpuMap(BlockMapRecorder):
         super().maybe_snapshot(step, now_s, scheduler, class_of)
         if len(self.states) == taken:
             return
+        assert len(self.cpu_states) == len(self.states)
+        expected, held = self.expected(scheduler, class_of)
+        np.testing.assert_array_equal(self.cpu_states[-1], expected)
+        self.with_held += held
+
+    def expected(
+        self, scheduler: Scheduler, class_of: Callable[[str], str]
+    ) -> tuple[np.ndarray, bool]:
         assert scheduler.swapper is not None
         cpu = scheduler.swapper.cpu
         expected = np.full(cpu.num_blocks, FREE, dtype=np.uint8)
         for request_id, cpu_ids in cpu.tables.items():
             for block_id in cpu_ids:
                 expected[block_id] = OWNED_BASE + self.classes[class_of(request_id)]
-        assert len(self.cpu_states) == len(self.states)
-        np.testing.assert_array_equal(self.cpu_states[-1], expected)
-        self.with_swapped += bool(cpu.tables)
+        return expected, bool(cpu.tables)
 
 
 def test_a_swap_run_snapshots_its_cpu_swap_pool(
@@ -119,7 +126,7 @@ def test_a_swap_run_snapshots_its_cpu_swap_pool(
     monkeypatch.setattr(sim.runner, "BlockMapRecorder", CheckedCpuMap)
     result = simulate(scenario)
     (block_map,) = CheckedCpuMap.instances
-    assert block_map.with_swapped > 2
+    assert block_map.with_held > 2
     assert result.summary["swap"]["num_swap_outs"] > 0
     monkeypatch.undo()
     # Written beside the HBM map and read back as the dashboard reads it; a run without swap
@@ -133,3 +140,49 @@ def test_a_swap_run_snapshots_its_cpu_swap_pool(
         assert "cpu_states" not in npz.files
     plain = read_block_map(tmp_path / "plain")
     assert plain is not None and plain.cpu_states is None
+
+
+class CheckedOffloadMap(CheckedCpuMap):
+    """Checks every CPU offload store snapshot against the store at that moment."""
+
+    instances: ClassVar[list[CheckedCpuMap]] = []
+
+    def expected(
+        self, scheduler: Scheduler, class_of: Callable[[str], str]
+    ) -> tuple[np.ndarray, bool]:
+        offloader = scheduler.offloader
+        assert offloader is not None
+        store = offloader.store
+        expected = np.full(store.num_blocks, FREE, dtype=np.uint8)
+        for entry in store.entries.values():
+            expected[entry.cpu_id] = CACHED
+        for request_id, transfer in offloader.loads.items():
+            for block_hash in transfer.hashes:
+                code = OWNED_BASE + self.classes[class_of(request_id)]
+                expected[store.entries[block_hash].cpu_id] = code
+        return expected, bool(offloader.loads)
+
+
+def test_an_offload_run_snapshots_its_cpu_store(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    scenario = load_scenario(
+        SCENARIO_DIR / "priority-mix.yaml",
+        [
+            "workload.sessions=32",
+            "engine.num_gpu_blocks_override=2100",
+            "limits.max_duration_s=600",
+            "engine.kv_offload_gib=2",
+        ],
+    )
+    CheckedOffloadMap.instances.clear()
+    monkeypatch.setattr(sim.runner, "BlockMapRecorder", CheckedOffloadMap)
+    result = simulate(scenario)
+    (block_map,) = CheckedOffloadMap.instances
+    assert block_map.with_held > 0
+    assert result.summary["offload"]["num_loads"] > 0
+    monkeypatch.undo()
+    result.write(tmp_path / "offload")
+    read = read_block_map(tmp_path / "offload")
+    assert read is not None and read.cpu_states is not None and read.cpu_kind == "offload"
+    assert read.cpu_states.shape == (len(read.times_s), 1024)  # 2 GiB of 2 MiB blocks

@@ -143,6 +143,18 @@ def test_export_never_overwrites_and_a_folder_must_be_a_run(tmp_path: Path) -> N
     assert code == 2 and "without scenario.yaml" in " ".join(out.split())
 
 
+def test_a_cpu_offload_tier_is_exported_as_vllms_own_flag() -> None:
+    # vLLM 0.32 runs the offloading connector itself: the deployment is the simulated one.
+    spec = load_scenario(CODING, ["engine.kv_offload_gib=64"])
+    args = engine_args(spec)
+    assert args["kv_offloading_size"] == 64 and args["kv_offloading_backend"] == "native"
+    argv = serve_argv(spec)
+    at = argv.index("--kv-offloading-size")
+    assert argv[at + 1] == "64.0"
+    assert argv[argv.index("--kv-offloading-backend") + 1] == "native"
+    assert "kv_offloading_size" not in engine_args(load_scenario(CODING))
+
+
 @pytest.mark.parametrize(
     "sets",
     [

@@ -56,3 +56,13 @@ def test_a_fleet_scenario_is_refused_for_replay_naming_the_field() -> None:
     )
     with pytest.raises(KvsimConfigError, match=r"fleet\.replicas=2: a replay drives one vLLM"):
         engine_kwargs(scenario, "cpu", "tiny")
+
+
+def test_an_offload_scenario_is_refused_for_replay_naming_the_field() -> None:
+    from sim.errors import KvsimConfigError
+
+    scenario = load_scenario(
+        SCENARIO_DIR / "validation" / "agentic-multiturn.yaml", ["engine.kv_offload_gib=4"]
+    )
+    with pytest.raises(KvsimConfigError, match=r"engine\.kv_offload_gib=4: kvsim's replay"):
+        engine_kwargs(scenario, "cpu", "tiny")

@@ -18,7 +18,7 @@ SCENARIOS = [
         SCENARIO_DIR / "fleet-70b-tp4-h200.yaml",
         ["engine.enable_prefix_caching=false", "engine.watermark=0.05"],
     ),
-    (SCENARIO_DIR / "priority-mix.yaml", []),
+    (SCENARIO_DIR / "priority-mix.yaml", ["engine.kv_offload_gib=64"]),
     (SCENARIO_DIR / "validation" / "open-loop-burst.yaml", []),
 ]
 
