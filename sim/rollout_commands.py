@@ -416,12 +416,21 @@ def tune_cmd(
     ] = None,
     export_format: ExportFormatOption = None,
     export_out: ExportOutOption = None,
+    memory_policies: Annotated[
+        str | None,
+        typer.Option(
+            help="Also search a memory policy per trial: 'exportable' (vLLM's own engine or "
+            "a CPU offload tier, vLLM's --kv-offloading-size, of 32-192 GiB) or 'all' (also "
+            "the what-ifs vLLM 0.32 lacks: swap preemption, KV retention; the best of those "
+            "cannot be exported). Default: vLLM's engine knobs only."
+        ),
+    ] = None,
 ) -> None:
     """Search vLLM's engine knobs (Optuna) for the best config under the SLOs."""
     from sim.export import export
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario, parse_scenario
-    from sim.tune import OBJECTIVES, tune
+    from sim.tune import OBJECTIVES, overrides, trial_engine, tune
 
     source = scenario or DEFAULT_SCENARIO
     try:
@@ -440,15 +449,28 @@ def tune_cmd(
         check_parent(out, "--out")
         if gpu_hour_usd <= 0:
             raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be positive")
+        if memory_policies not in (None, "exportable", "all"):
+            raise KvsimConfigError(
+                f"--memory-policies {memory_policies!r}: expected exportable or all"
+            )
+        if memory_policies == "all" and export_format is not None:
+            raise KvsimConfigError(
+                "--memory-policies all with --export-format: the best config could be a "
+                "what-if vLLM 0.32 cannot run (swap, retention); use --memory-policies "
+                "exportable to export"
+            )
         spec = load_scenario(source, [*(set_ or []), *(f"slos.{b}" for b in slo or [])])
         check_runnable(spec, str(source))
         check_export_options(export_format, export_out, spec)
 
         def progress(trial: object) -> None:
             t = trial  # a sim.tune.Trial
-            what = {"ok": f"{objective} {t.objective:.4g}",
-                    "infeasible": f"infeasible: {t.error or 'misses an SLO'}",
-                    "invalid": f"not run: {t.error}"}[t.state]  # fmt: skip
+            if t.state == "ok":
+                what = f"{objective} {t.objective:.4g}"
+            elif t.state == "infeasible":  # its objective may be missing
+                what = f"infeasible: {t.error or 'misses an SLO'}"
+            else:
+                what = f"not run: {t.error}"
             err_console.print(f"  trial {t.number}: {what}", highlight=False)
 
         result = tune(
@@ -458,6 +480,7 @@ def tune_cmd(
             lambda s: simulate(s).summary,
             gpu_hour_usd=gpu_hour_usd,
             on_trial=progress,
+            memory_policies=memory_policies,
         )
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -487,9 +510,11 @@ def tune_cmd(
         raise fail(f"the search finished, but tune.json could not be written: {exc}") from None
     if best is None:
         raise fail("no trial met every SLO with every request finished; relax --slo or the load")
+    base_engine = spec.engine.model_dump(mode="json")
+    policy = "" if best.policy is None else f" (memory policy: {best.policy})"
     console.print(
-        f"best: trial {best.number}, {objective} = {best.objective:.4g}; "
-        + " ".join(f"--set engine.{k}={v}" for k, v in best.params.items()),
+        f"best: trial {best.number}, {objective} = {best.objective:.4g}{policy}; "
+        + " ".join(f"--set {o}" for o in overrides(base_engine, best)),
         highlight=False,
     )
     front = Table(title="Pareto front (feasible trials): throughput vs p99 TTFT and ITL")
@@ -506,7 +531,7 @@ def tune_cmd(
         )
     console.print(front)
     best_spec = parse_scenario(
-        {**spec.model_dump(mode="json"), "engine": {**spec.engine.model_dump(), **best.params}},
+        {**spec.model_dump(mode="json"), "engine": trial_engine(base_engine, best)},
         f"{spec.name} (tuned)",
     )
     if export_format is not None and export_out is not None:

@@ -11,6 +11,12 @@ whose model does not fit is not simulated (Optuna is told the trial failed). Obj
 - ``max-sessions``: the capacity (:mod:`sim.capacity`) of the config: the heaviest load it
   holds; one trial costs a whole capacity search.
 
+With ``memory_policies`` the search also picks a memory policy per trial
+(:data:`MEMORY_POLICIES`): vLLM's own engine, a CPU offload tier (vLLM 0.32's
+``--kv-offloading-size``) of a searched size, and, unless only exportable configs are
+wanted, the what-ifs vLLM 0.32 lacks (swap preemption, KV retention during tool waits). A
+size the hardware's host memory cannot hold is refused like any other invalid config.
+
 A trial is feasible when every request finished and every SLO held (for ``max-sessions``:
 when some load held); Optuna's TPE sampler gets that as its constraint, so it learns where
 the feasible region is. The report carries every trial, the best feasible config and the
@@ -20,6 +26,7 @@ Pareto front of the feasible trials over output throughput (higher), p99 TTFT an
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -43,6 +50,25 @@ SPACE: dict[str, tuple[Any, ...]] = {
 }
 GPU_MEMORY_UTILIZATION = (0.80, 0.95)
 
+# Memory policies the tuner may pick, as engine fields; "offload" and "swap" take a size
+# in GiB from the lists after them. The first two are configs vLLM 0.32 runs (exportable).
+MEMORY_POLICIES: dict[str, dict[str, Any]] = {
+    "vllm": {},
+    "offload": {"kv_offload_gib": None},
+    "swap": {"preemption_mode": "swap", "swap_space_gib": None},
+    "retention": {"kv_retention": {"policy": "tool_latency"}},
+}
+EXPORTABLE_POLICIES = ("vllm", "offload")
+# What a picked policy starts from: vLLM's own engine (the scenario's policy is replaced).
+POLICY_RESET: dict[str, Any] = {
+    "preemption_mode": "recompute",
+    "swap_space_gib": None,
+    "kv_offload_gib": None,
+    "kv_retention": {"policy": "none"},
+}
+OFFLOAD_GIB = (32, 64, 128, 192)
+SWAP_SPACE_GIB = (16, 64)
+
 
 @dataclass
 class Trial:
@@ -50,6 +76,8 @@ class Trial:
     params: dict[str, Any]  # engine field -> value
     state: str  # "ok", "infeasible" (ran, missed an SLO), "invalid" (not simulated)
     objective: float | None
+    # The memory policy picked (MEMORY_POLICIES), None when policies are not searched.
+    policy: str | None = None
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     simulations: int = 0
@@ -111,8 +139,12 @@ def tune(
     gpu_hour_usd: float = 1.0,
     seed: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
+    memory_policies: str | None = None,
 ) -> TuneResult:
-    """Run ``budget`` Optuna trials (invalid configs included) and report them."""
+    """Run ``budget`` Optuna trials (invalid configs included) and report them.
+
+    ``memory_policies``: None searches vLLM's engine knobs only; "exportable" also the
+    CPU offload tier; "all" also the what-ifs vLLM 0.32 lacks (swap, retention)."""
     import optuna
 
     if objective not in OBJECTIVES:
@@ -127,6 +159,8 @@ def tune(
         )
     if objective == "max-sessions":
         default_knob(scenario)  # a workload with no load knob is refused before any trial
+    if memory_policies not in (None, "exportable", "all"):
+        raise KvsimConfigError(f"--memory-policies {memory_policies!r}: expected exportable or all")
     minimize = objective == "cost-per-million-tokens"
     space = dict(SPACE)
     if objective != "cost-per-million-tokens":  # more GPUs always win the other two
@@ -144,8 +178,12 @@ def tune(
         params["gpu_memory_utilization"] = round(
             ask.suggest_float("gpu_memory_utilization", *GPU_MEMORY_UTILIZATION, step=0.01), 2
         )
-        document = {**base, "engine": {**base["engine"], **params}}
-        trial = Trial(ask.number, params, "invalid", None)
+        policy = None
+        if memory_policies is not None:
+            policy, fields = _suggest_memory_policy(ask, memory_policies)
+            params |= fields
+        trial = Trial(ask.number, params, "invalid", None, policy=policy)
+        document = {**base, "engine": trial_engine(base["engine"], trial)}
         try:
             spec = parse_scenario(document, f"{scenario.name} trial {ask.number}")
             check_runnable(spec)
@@ -167,6 +205,42 @@ def tune(
     best = min(ok, key=lambda t: (sign * t.objective, t.number)) if ok else None
     direction = "minimize" if minimize else "maximize"
     return TuneResult(objective, direction, trials, best, pareto_front(trials))
+
+
+def _suggest_memory_policy(ask: Any, which: str) -> tuple[str, dict[str, Any]]:
+    """The memory policy an Optuna trial picks and its engine fields (a size only for the
+    policy that has one: a conditional parameter)."""
+    names = list(EXPORTABLE_POLICIES if which == "exportable" else MEMORY_POLICIES)
+    policy = ask.suggest_categorical("memory_policy", names)
+    fields = dict(MEMORY_POLICIES[policy])
+    if policy == "offload":
+        fields["kv_offload_gib"] = ask.suggest_categorical("kv_offload_gib", list(OFFLOAD_GIB))
+    elif policy == "swap":
+        fields["swap_space_gib"] = ask.suggest_categorical("swap_space_gib", list(SWAP_SPACE_GIB))
+    return policy, fields
+
+
+def trial_engine(base_engine: dict[str, Any], trial: Trial) -> dict[str, Any]:
+    """The engine section a trial runs: the scenario's, with the trial's knobs, and, when
+    it picked a memory policy, that policy in place of the scenario's."""
+    reset = POLICY_RESET if trial.policy is not None else {}
+    return {**base_engine, **reset, **trial.params}
+
+
+def overrides(base_engine: dict[str, Any], trial: Trial) -> list[str]:
+    """The trial as ``--set`` overrides of the scenario (a policy reset only where the
+    scenario set another policy)."""
+    engine = trial_engine(base_engine, trial)
+    names = list(trial.params)
+    if trial.policy is not None:
+        retention = (base_engine.get("kv_retention") or {}).get("policy", "none")
+        names += [
+            name
+            for name, unset in POLICY_RESET.items()
+            if name not in trial.params
+            and (retention != "none" if name == "kv_retention" else base_engine.get(name) != unset)
+        ]
+    return [f"engine.{name}={json.dumps(engine[name])}" for name in names]
 
 
 def _evaluate(

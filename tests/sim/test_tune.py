@@ -12,7 +12,16 @@ from typer.testing import CliRunner
 from sim.cli import app
 from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
-from sim.tune import SPACE, Trial, pareto_front, tune
+from sim.tune import (
+    MEMORY_POLICIES,
+    OFFLOAD_GIB,
+    SPACE,
+    Trial,
+    overrides,
+    pareto_front,
+    trial_engine,
+    tune,
+)
 
 runner = CliRunner()
 BURST = SCENARIO_DIR / "agent-burst.yaml"
@@ -153,3 +162,71 @@ def test_max_sessions_runs_a_capacity_search_per_trial() -> None:
     for t in ran:
         assert t.objective == 10 * t.params["max_num_seqs"] // 64
     assert result.best is not None and result.best.objective == max(t.objective for t in ran)
+
+
+def test_memory_policies_are_searched_as_a_policy_with_its_size() -> None:
+    spec = load_scenario(
+        BURST,
+        [*SMALL, "slos.ttft_p99_s=1", "engine.preemption_mode=swap", "engine.swap_space_gib=8"],
+    )
+    seen: list[Scenario] = []
+
+    def offload_wins(s: Scenario) -> dict[str, Any]:
+        seen.append(s)
+        summary = fake_summary(s)
+        bonus = (s.engine.kv_offload_gib or 0) / 10  # a larger store holds more
+        summary["metrics"]["goodput_req_s"] += bonus
+        return summary
+
+    result = tune(spec, "goodput", 30, offload_wins, memory_policies="exportable")
+    assert {t.policy for t in result.trials} == {"vllm", "offload"}
+    for t in result.trials:
+        assert ("kv_offload_gib" in t.params) == (t.policy == "offload")
+        assert t.params.get("kv_offload_gib", 32) in OFFLOAD_GIB
+    # A picked policy replaces the scenario's (swap): vLLM's engine, or offload alone.
+    assert all(s.engine.preemption_mode == "recompute" for s in seen)
+    assert result.best is not None and result.best.policy == "offload"
+    base = spec.engine.model_dump(mode="json")
+    sets = overrides(base, result.best)
+    assert f"engine.kv_offload_gib={result.best.params['kv_offload_gib']}" in sets
+    assert 'engine.preemption_mode="recompute"' in sets and "engine.swap_space_gib=null" in sets
+    # The overrides rebuild the trial's engine.
+    rebuilt = load_scenario(BURST, [*SMALL, *sets])
+    assert rebuilt.engine.model_dump(mode="json") == trial_engine(base, result.best)
+
+    every = tune(spec, "goodput", 30, offload_wins, memory_policies="all")
+    assert {t.policy for t in every.trials} == set(MEMORY_POLICIES)
+    for t in every.trials:
+        if t.policy == "retention" and t.state != "invalid":
+            assert t.params["kv_retention"] == {"policy": "tool_latency"}
+    # Without policies the scenario's own (swap) stays, as before.
+    plain = tune(spec, "goodput", 3, fake_summary)
+    assert all(t.policy is None and "kv_offload_gib" not in t.params for t in plain.trials)
+    with pytest.raises(KvsimConfigError, match="--memory-policies 'some'"):
+        tune(spec, "goodput", 1, fake_summary, memory_policies="some")
+
+
+def test_an_offload_larger_than_host_memory_is_not_simulated() -> None:
+    # An A100 has 128 GiB of host RAM per GPU: a 192 GiB store does not fit at TP1.
+    spec = load_scenario(BURST, [*SMALL, "slos.ttft_p99_s=1", "hardware=A100-80GB"])
+    result = tune(spec, "goodput", 40, fake_summary, memory_policies="exportable")
+    too_big = [t for t in result.trials if t.params.get("kv_offload_gib") == 192]
+    assert too_big and all(t.state == "invalid" for t in too_big)
+    assert any("more host memory" in (t.error or "") for t in too_big)
+
+
+def test_cli_memory_policies(tmp_path: Path) -> None:
+    args = ["tune", str(BURST), "--budget", "3", "--slo", "ttft_p99_s=30"]
+    for assignment in SMALL:
+        args += ["--set", assignment]
+    bad = runner.invoke(app, [*args, "--memory-policies", "all", "--export-format",
+                              "vllm-args", "--export-out", str(tmp_path / "x.sh")])  # fmt: skip
+    assert bad.exit_code == 2 and "use --memory-policies exportable" in " ".join(bad.output.split())
+    bad = runner.invoke(app, [*args, "--memory-policies", "some"])
+    assert bad.exit_code == 2 and "expected exportable or all" in bad.output
+    out = tmp_path / "tune"
+    result = runner.invoke(app, [*args, "--memory-policies", "exportable", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    trials = json.loads((out / "tune.json").read_text())["trials"]
+    assert all(t["policy"] in ("vllm", "offload") for t in trials)
+    assert "(memory policy: " in result.output

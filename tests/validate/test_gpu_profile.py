@@ -425,4 +425,17 @@ def test_the_committed_h200_profile_loads_and_matches_its_raw_file() -> None:
     )
     assert profile.num_steps == len(raw["steps"]) == 82
     refit = fit_profile(raw, "H200-141GB", profile.created_by)
-    assert refit == profile
+    # The same fit, to rounding: a least-squares solve's last bits depend on the CPU's BLAS
+    # kernels (the committed file was fitted on another machine).
+    assert refit.model_dump() == _approx_floats(profile.model_dump())
+
+
+def _approx_floats(node: Any) -> Any:
+    """``node`` with every float compared to 1e-9 relative (for ``==`` with a plain dump)."""
+    if isinstance(node, dict):
+        return {key: _approx_floats(value) for key, value in node.items()}
+    if isinstance(node, list):
+        return [_approx_floats(value) for value in node]
+    if isinstance(node, float):
+        return pytest.approx(node, rel=1e-9, abs=1e-15)
+    return node
