@@ -128,6 +128,7 @@ class Engine(SinkBase):
         recorder = self.recorder
         done = self._done
         fast = self.fast
+        offloader = scheduler.offloader  # CPU offload tier only
         after_idle = True  # the first step wakes the engine up
         since_prefill = -1  # steps past the last prefill step; -1 before the first one
         while True:
@@ -150,22 +151,24 @@ class Engine(SinkBase):
                     for request in finished:
                         done.pop(request.request_id).succeed(request)
                     continue
-            offloader = scheduler.offloader
             if offloader is not None:
                 offloader.set_time(env.now)
             output = scheduler.schedule()
-            if output.is_empty and offloader is not None and not output.preempted_ids:
-                # Nothing to run until a copy ends (vLLM spins through empty steps): no
-                # step; wait for the copy or an arrival, whichever comes first.
+            # Nothing to run until a copy ends (vLLM spins through empty steps): no step;
+            # wait for the copy or an arrival, whichever comes first.
+            if (
+                output.is_empty
+                and offloader is not None
+                and not output.preempted_ids
+                and (offloader.loads or offloader.next_event_s() is not None)
+            ):
+                scheduler.discard_empty_step(output)
+                offloader.after_schedule({}, scheduler.requests, env.now)  # start loads
                 wake_s = offloader.next_event_s()
-                if wake_s is not None or offloader.loads:
-                    scheduler.discard_empty_step(output)
-                    offloader.after_schedule({}, scheduler.requests, env.now)  # start loads
-                    wake_s = offloader.next_event_s()
-                    assert wake_s is not None
-                    yield env.any_of([env.timeout(max(wake_s - env.now, 0.0)), self._idle()])
-                    after_idle = True
-                    continue
+                assert wake_s is not None
+                yield env.any_of([env.timeout(max(wake_s - env.now, 0.0)), self._idle()])
+                after_idle = True
+                continue
             # Sizing guarantees one max_model_len request fits, so an idle engine can always
             # admit the head of the queue: an empty step with work queued is a bug, unless
             # it preempted. vLLM then runs an empty step too: a request that could not grow
