@@ -158,3 +158,38 @@ def test_fit_regresses_on_every_fitted_term_and_zeroes_the_others():
     )
     assert params.per_token_overhead_s == 0.0  # an unfitted term
     assert params.kv_transfer_efficiency == 0.5  # not a step-time term: from base
+
+
+def test_median_loss_prices_each_shape_at_its_median_step():
+    # A shared machine's step times spread around the batch's cost, lognormally. The median
+    # fit prices the shapes at their median step (what ITL p50 reads); the squared loss
+    # relative to the measured time prices them ~exp(-1.5 sigma^2) below it, pulled down by
+    # the fast steps (-6% at sigma 0.2).
+    truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
+    shapes = synthetic_shapes(seed=4, num_steps=40)
+    rng = np.random.default_rng(0)
+    noise = np.exp(rng.normal(0.0, 0.2, size=(len(shapes), 51)))
+    repeated = [s for s in shapes for _ in range(noise.shape[1])]
+    durations_s = [truth.step_time_s(s) * f for s, f in zip(repeated, noise.ravel(), strict=True)]
+    median_params, _ = fit_cost_params(
+        repeated, durations_s, LLAMA_8B, H100, relative=True, loss="median"
+    )
+    squares_params, _ = fit_cost_params(repeated, durations_s, LLAMA_8B, H100, relative=True)
+    median_noise = float(np.median(noise))  # the median step / the batch's cost
+    ratios = {}
+    for name, params in (("median", median_params), ("squares", squares_params)):
+        fitted = CostModel(LLAMA_8B, H100, 1, params)
+        ratios[name] = np.median([fitted.step_time_s(s) / truth.step_time_s(s) for s in shapes])
+    assert ratios["median"] == pytest.approx(median_noise, rel=0.02)
+    assert ratios["squares"] < 0.96 * median_noise
+
+
+def test_median_loss_recovers_noise_free_params_and_rejects_unknown_losses():
+    truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
+    shapes = synthetic_shapes(seed=8, num_steps=120)
+    durations_s = [truth.step_time_s(s) for s in shapes]
+    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, loss="median")
+    assert quality["mape"] < 0.1
+    assert params.compute_efficiency == pytest.approx(TRUE_PARAMS.compute_efficiency, rel=0.01)
+    with pytest.raises(ValueError, match="loss='mean'"):
+        fit_cost_params(shapes, durations_s, LLAMA_8B, H100, loss="mean")  # type: ignore[arg-type]
