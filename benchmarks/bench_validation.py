@@ -63,6 +63,11 @@ def main() -> None:
         runs = len(report.real_runs)
         console.print(error_table(report.rows, name, "kvsim", f"vLLM (median of {runs})"))
         console.print(step_time_line(report.step_time_ratios), highlight=False)
+        if report.shape_coverage is not None:
+            console.print(
+                f"shape coverage: {report.shape_coverage * 100:.1f}% of the simulation's steps",
+                highlight=False,
+            )
         for warning in report.warnings:
             console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         broken = broken_bounds(report.rows)

@@ -55,6 +55,7 @@ def run(
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
+    from sim.step_record import shapes_of_steps
 
     out_dir: Path | None = None
     try:
@@ -121,6 +122,11 @@ def run(
     per_replica = " per replica" if spec.fleet is not None else ""
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}{per_replica}", highlight=False)
     console.print(step_time_source(result.summary), highlight=False)
+    coverage = profile.coverage(shapes_of_steps(result.steps)) if profile else None
+    if coverage is not None:
+        console.print(f"shape coverage: {coverage.line()}", highlight=False)
+        if warning := coverage.warning():
+            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
     sim_s = result.summary["duration_s"]
     console.print(
         f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "

@@ -184,7 +184,11 @@ def simulate(
         "source": "sim",
         "kvsim_version": __version__,
         "hardware": scenario.hardware.name,
-        "calibration": None if calibration is None else calibration.model_dump(mode="json"),
+        # The profile that priced the steps, less its fitted shape cells (hundreds of them;
+        # kvsim run prints the run's coverage instead).
+        "calibration": None
+        if calibration is None
+        else calibration.model_dump(mode="json", exclude={"shape_cells"}),
     }
     summary = build_summary(
         provenance,

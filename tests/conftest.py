@@ -117,6 +117,12 @@ def _print_validation(terminalreporter) -> None:
     ratios = report.get("step_time_vs_sim") or []
     shown = ", ".join("-" if r is None else f"{r:.3f}" for r in ratios)
     terminalreporter.write_line(f"  vLLM step time / kvsim's, per replay: [{shown}]")
+    coverage = report.get("shape_coverage")
+    if coverage is not None:
+        terminalreporter.write_line(
+            f"  shape coverage: {coverage * 100:.1f}% of the simulation's steps are batch shapes "
+            "the profile was fitted on"
+        )
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

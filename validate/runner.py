@@ -18,6 +18,7 @@ from sim.cost_model import CostParams
 from sim.results import RunData, load_run
 from sim.runner import simulate
 from sim.scenario import Scenario, scenario_to_yaml
+from sim.step_record import shapes_of_steps
 from sim.summary import build_summary
 from validate.calibrate import step_time_ratio
 from validate.compare import ComparisonRow, compare_to_runs, rows_to_records
@@ -154,8 +155,12 @@ class ValidationReport:
     rows: list[ComparisonRow]
     # Per real run: median measured / simulated step time over its steps (see step_time_ratio).
     step_time_ratios: list[float | None]
-    # What the calibration did not cover (CalibrationProfile.budget_warning).
+    # What the calibration did not cover (CalibrationProfile.budget_warning, and the
+    # simulation's steps outside the profile's fitted batch shapes).
     warnings: list[str]
+    # Share of the simulation's steps in the profile's fitted shape cells (sim.shape_coverage);
+    # None when the profile records none.
+    shape_coverage: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,6 +171,7 @@ class ValidationReport:
             "calibration": self.calibration,
             "metrics": rows_to_records(self.rows),
             "step_time_vs_sim": self.step_time_ratios,
+            "shape_coverage": self.shape_coverage,
             "warnings": self.warnings,
         }
 
@@ -181,7 +187,12 @@ def build_report(
         else shipped_profile(scenario.hardware, scenario.model)
     )
     params = profile.params if profile else CostParams()
-    warning = profile.budget_warning(scenario.engine.max_num_batched_tokens) if profile else None
+    warnings = []
+    coverage = None
+    if profile is not None:
+        warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
+        coverage = profile.coverage(shapes_of_steps(sim.steps))
+        warnings.append(coverage.warning() if coverage else None)
     return ValidationReport(
         scenario=scenario.name,
         sim_run=str(sim.path),
@@ -192,7 +203,8 @@ def build_report(
         else (f"shipped kernel fit for {profile.hardware}" if profile else None),
         rows=compare_to_runs(sim.summary, [r.summary for r in reals]),
         step_time_ratios=[step_time_ratio(r, scenario, params) for r in reals],
-        warnings=[warning] if warning else [],
+        warnings=[w for w in warnings if w],
+        shape_coverage=coverage.fraction if coverage else None,
     )
 
 

@@ -10,6 +10,7 @@ calibration code (layers only point down: ``validate`` -> ``sim``).
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from sim.config.hardware import HARDWARE_PRESETS, Hardware
 from sim.config.model import ModelGeometry
 from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError, format_validation_error
+from sim.scheduler.output import BatchShape
+from sim.shape_coverage import ShapeCoverage, shape_coverage
 
 
 class CalibrationProfile(BaseModel):
@@ -50,6 +53,12 @@ class CalibrationProfile(BaseModel):
         default_factory=dict,
         description="Where the steps were timed: device, driver, torch and CUDA versions.",
     )
+    shape_cells: list[tuple[int, int, int, int]] = Field(
+        default_factory=list,
+        description="Batch-shape cells (sim/shape_coverage.py) with enough measured steps: "
+        "what the fit covers. Empty for profiles not fitted on measured runs, or written "
+        "before kvsim recorded them (then no coverage is reported).",
+    )
     device_measurements: dict[str, float] = Field(
         default_factory=dict,
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
@@ -73,6 +82,11 @@ class CalibrationProfile(BaseModel):
             "steps ~5% faster at 384 than at 512), so calibrate on runs at the budget you "
             "simulate."
         )
+
+    def coverage(self, shapes: Sequence[BatchShape]) -> ShapeCoverage | None:
+        """How much of a run's steps (``shapes``) lie in the batch shapes this profile was
+        fitted on; None when it records none."""
+        return shape_coverage(shapes, self.shape_cells) if self.shape_cells else None
 
 
 def hardware_warning(profile: CalibrationProfile, hardware_name: str) -> str | None:

@@ -115,6 +115,22 @@ def test_run_warns_when_the_profile_was_fitted_at_another_token_budget(tmp_path:
     assert "used 512" in outputs[384] and "run written to" in outputs[384]
 
 
+def test_run_reports_the_share_of_steps_the_profile_was_fitted_on(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    # Fitted on decode-only steps of 1 request at 1,024-2,047 tokens of context, nothing else.
+    save_profile(profile_with(CostParams(mode="additive"), shape_cells=[(0, 1, 11, 0)]), profile)
+    code, output = run(
+        *("run", str(DEFAULT_SCENARIO), "--set", "workload.sessions=4", "--quiet"),
+        *("--calibration", str(profile), "--out", str(tmp_path / "run")),
+    )
+    assert code == 0, output
+    text = " ".join(output.split())
+    assert (
+        "shape coverage:" in text and "batch shapes the calibration profile was fitted on" in text
+    )
+    assert "the cost model extrapolates the step times of the others" in text
+
+
 # -- hardening: every class of bad input is one paragraph, exit 2, no run directory ------------
 # A small, fast scenario whose pieces the tests below break one at a time.
 TINY = """\

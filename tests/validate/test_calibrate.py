@@ -5,12 +5,16 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
 
+from sim.cli import app
 from sim.errors import KvsimConfigError
 from sim.results import load_run
 from sim.scenario import SCENARIO_DIR, load_scenario
+from sim.shape_coverage import fitted_cells
+from sim.step_record import shapes_of_steps
 from tests.validate.fake_vllm import TRUTH, fake_replay
-from validate.calibrate import calibrate, step_shapes, step_time_ratio
+from validate.calibrate import calibrate, leave_one_scenario_out, step_shapes, step_time_ratio
 
 
 def measured_looking_run(tmp_path: Path, name: str, source: str = "vllm") -> Path:
@@ -69,3 +73,51 @@ def test_calibrate_refuses_simulated_runs(tmp_path: Path) -> None:
     run = measured_looking_run(tmp_path, "prefill-sweep", source="sim")
     with pytest.raises(KvsimConfigError, match="source='sim'"):
         calibrate([run])
+
+
+def test_profile_records_the_shapes_it_was_fitted_on(tmp_path: Path) -> None:
+    run = measured_looking_run(tmp_path, "prefill-sweep")
+    profile = calibrate([run])
+    shapes = shapes_of_steps(load_run(run).steps)
+    assert profile.shape_cells == fitted_cells(shapes)
+    coverage = profile.coverage(shapes)
+    assert coverage is not None and coverage.fraction > 0.9  # cells of < 5 steps do not count
+    # The decode sweep's batches of up to 32 requests: few of them are prefill-sweep shapes.
+    decode = shapes_of_steps(load_run(measured_looking_run(tmp_path, "decode-sweep")).steps)
+    other = profile.coverage(decode)
+    assert other is not None and other.fraction < 0.5
+    warning = other.warning()
+    assert warning is not None and "decode-only steps of" in warning
+    assert profile.model_copy(update={"shape_cells": []}).coverage(decode) is None
+
+
+def test_leave_one_scenario_out_fits_without_the_held_out_runs(tmp_path: Path) -> None:
+    names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
+    runs = [measured_looking_run(tmp_path, n) for n in names]
+    in_sample, held_out = leave_one_scenario_out(runs)
+    assert [e.scenario for e in held_out] == [f"cal-{n}" for n in names]
+    for mine, out in zip(in_sample, held_out, strict=True):
+        # Noise-free steps priced by one additive model: every fit recovers it.
+        assert mine.median_ratio == pytest.approx(1.0, abs=0.01)
+        assert out.median_ratio == pytest.approx(1.0, abs=0.02)
+        assert out.num_runs == 1 and out.num_steps > 0
+    decode_sweep = held_out[1]
+    assert decode_sweep.coverage < 0.5 < 0.95 < in_sample[1].coverage
+    with pytest.raises(KvsimConfigError, match="at least two scenarios"):
+        leave_one_scenario_out(runs[:1])
+
+
+def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) -> None:
+    runs = [str(measured_looking_run(tmp_path, n)) for n in ("prefill-sweep", "decode-sweep")]
+    out = tmp_path / "profile.json"
+    result = CliRunner().invoke(
+        app, ["calibrate", *runs, "-o", str(out), "--leave-one-out"], env={"COLUMNS": "220"}
+    )
+    assert result.exit_code == 0, result.output
+    assert out.exists()
+    rows = [line for line in result.output.splitlines() if "cal-" in line]
+    assert len(rows) == 2 and "held-out ratio" in result.output
+    vidur = ["--vidur", str(tmp_path), "--leave-one-out"]
+    refused = CliRunner().invoke(app, ["calibrate", *vidur, "-o", str(tmp_path / "p.json")])
+    assert refused.exit_code == 2
+    assert "--leave-one-out applies to run directories" in " ".join(refused.output.split())

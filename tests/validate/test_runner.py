@@ -45,8 +45,12 @@ def test_the_report_names_a_token_budget_the_profile_was_not_fitted_at(tmp_path:
         spec = load_scenario(validated, [f"engine.max_num_batched_tokens={budget}"])
         real = fake_replay(spec, tmp_path / f"real-{budget}")
         sim = run_sim(spec, profile, tmp_path / f"sim-{budget}")
-        warnings = build_report(spec, sim, [real], tmp_path / "profile.json").to_json()["warnings"]
-        assert warnings == ([profile.budget_warning(budget)] if warned else [])
+        report = build_report(spec, sim, [real], tmp_path / "profile.json").to_json()
+        warnings = report["warnings"]
+        assert (profile.budget_warning(budget) in warnings) == warned
+        # Fitted on the prefill sweep alone, the agentic steps are partly extrapolated.
+        assert report["shape_coverage"] < 0.9
+        assert "the cost model extrapolates the step times" in warnings[-1]
     assert "engine.max_num_batched_tokens=384 was not calibrated" in warnings[0]
 
 

@@ -108,6 +108,7 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
     assert profile.params.post_prefill_decode_s == 0.00088
     assert profile.num_steps == 5210
     assert profile.budget_warning(512) is None
+    assert profile.coverage([]) is None  # no shape cells recorded: no coverage claimed
     assert profile.source == "vllm" and profile.environment == profile.device_measurements == {}
     saved = tmp_path / "saved.json"
     save_profile(profile, saved)
@@ -118,5 +119,6 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "max_num_batched_tokens": [],
         "source": "vllm",
         "environment": {},
+        "shape_cells": [],
         "device_measurements": {},
     }
