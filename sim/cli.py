@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
@@ -47,15 +54,36 @@ def run(
             "every step through the scheduler.",
         ),
     ] = False,
+    samples: Annotated[
+        int,
+        typer.Option(
+            help="Also run the scenario N more times at the step speeds the calibration's "
+            "measured runs ran at, and report each metric's median and p10-p90 band "
+            "(samples.json; needs --calibration from kvsim calibrate).",
+            min=0,
+        ),
+    ] = 0,
+    vary_seed: Annotated[
+        bool,
+        typer.Option("--vary-seed", help="With --samples: sample i also uses seed + i."),
+    ] = False,
 ) -> None:
     """Simulate a scenario; write its run directory and print the summary."""
     from sim.config.calibration import hardware_warning, load_profile
     from sim.config.sizing import kv_cache_summary
-    from sim.report import step_time_source, summary_table
+    from sim.report import band_table, step_time_source, summary_table
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
     from sim.step_record import shapes_of_steps
+    from sim.uncertainty import (
+        SAMPLES,
+        BandRow,
+        band_records,
+        band_rows,
+        run_samples,
+        sample_profiles,
+    )
 
     out_dir: Path | None = None
     try:
@@ -65,6 +93,10 @@ def run(
         spec = load_scenario(scenario, set_ or [])
         check_runnable(spec, str(scenario))
         profile = load_profile(calibration) if calibration is not None else None
+        if vary_seed and not samples:
+            raise KvsimConfigError("--vary-seed varies the seeds of --samples; give --samples N")
+        if samples:
+            sample_profiles(profile, samples)  # a profile without measured runs: say so now
         warnings = (
             [
                 profile.budget_warning(spec.engine.max_num_batched_tokens),
@@ -104,7 +136,30 @@ def run(
                 f"{spec.limits.max_duration_s:,.6g} s; raise it, or make the workload's "
                 "arrivals earlier"
             )
-        result.write(out_dir)
+        band: list[BandRow] = []
+        writers = []
+        if samples:
+            with Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                console=err_console,
+                disable=quiet or not err_console.is_terminal,
+                transient=True,
+            ) as bar:
+                task = bar.add_task("sampling step speeds", total=samples)
+                factors, summaries = run_samples(
+                    spec,
+                    profile,
+                    samples,
+                    vary_seed,
+                    on_done=lambda k: bar.update(task, completed=k),
+                )
+            band = band_rows(result.summary, summaries)
+            record = band_records(band, factors)
+            writers.append(lambda d: (d / SAMPLES).write_text(json.dumps(record, indent=2) + "\n"))
+        result.write(out_dir, writers)
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
         if out_dir is not None:
             release_claim(out_dir)
@@ -127,6 +182,8 @@ def run(
         console.print(f"shape coverage: {coverage.line()}", highlight=False)
         if warning := coverage.warning():
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+    if band:
+        console.print(band_table(band, samples, vary_seed))
     sim_s = result.summary["duration_s"]
     console.print(
         f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "

@@ -250,3 +250,32 @@ def summarize(
         "num_steps": len(steps),
     }
     return {"metrics": metrics, "slos": slo_report(latency, slos)}
+
+
+# The metrics kvsim validate, kvsim compare and kvsim run --samples report:
+# (label, path into summary["metrics"], unit: "s", "tok/s", "frac" (a 0-1 share) or "" (count))
+HEADLINE_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
+    ("TTFT p50", (TTFT, "p50"), "s"),
+    ("TTFT p90", (TTFT, "p90"), "s"),
+    ("TTFT p99", (TTFT, "p99"), "s"),
+    ("ITL p50", (ITL, "p50"), "s"),
+    ("ITL p99", (ITL, "p99"), "s"),
+    ("E2E p50", (E2E, "p50"), "s"),
+    ("E2E p99", (E2E, "p99"), "s"),
+    ("queue time p50", (QUEUE, "p50"), "s"),
+    ("output throughput", ("output_throughput_tok_s",), "tok/s"),
+    ("preemptions", (PREEMPTIONS, "total"), ""),
+    ("prefix-cache hit rate", ("prefix_cache_hit_rate",), "frac"),
+    ("KV usage mean", (KV_USAGE, "mean"), "frac"),
+    ("KV usage peak", (KV_USAGE, "peak"), "frac"),
+)
+
+
+def metric_value(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    """The value at ``path`` in ``summary["metrics"]`` (see HEADLINE_METRICS); None if absent."""
+    node: Any = summary.get("metrics", {})
+    for key in path:
+        if not isinstance(node, dict) or key not in node:
+            return None
+        node = node[key]
+    return None if node is None else float(node)

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
 from rich.table import Table
 
 from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+
+if TYPE_CHECKING:
+    from sim.uncertainty import BandRow
 
 
 def _ms(value: float | None) -> str:
@@ -146,3 +150,44 @@ def step_time_source(summary: dict[str, Any]) -> str:
         f"step times: calibration profile ({source}) fitted on {profile.get('model', '?')} / "
         f"{profile.get('hardware', '?')}"
     )
+
+
+def _by_unit(value: float | None, unit: str) -> str:
+    if unit == "s":
+        return _ms(value)
+    if unit == "frac":
+        return _pct(value)
+    return _num(value, ",.1f" if unit else ",.0f")
+
+
+def band_table(
+    rows: Sequence[BandRow],
+    num_samples: int,
+    vary_seed: bool,
+    references: dict[str, float | None] | None = None,
+    reference_label: str = "vLLM",
+) -> Table:
+    """The run's metrics (at the profile as fitted) beside the median and p10-p90 band of
+    ``kvsim run --samples`` (sim/uncertainty.py); with ``references`` (by metric), also the
+    measured value and whether it lies in the band."""
+    what = "step speeds and workload seeds" if vary_seed else "step speeds"
+    table = Table(
+        title=f"uncertainty: {num_samples} samples at the {what} of the calibration's runs",
+        title_justify="left",
+    )
+    columns = ["metric", "this run", "median", "p10", "p90"]
+    if references is not None:
+        columns += [reference_label, "in band"]
+    for col in columns:
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for r in rows:
+        cells = [r.metric, *(_by_unit(v, r.unit) for v in (r.point, r.median, r.low, r.high))]
+        if references is not None:
+            reference = references.get(r.metric)
+            inside = r.contains(reference)
+            cells += [
+                _by_unit(reference, r.unit),
+                "-" if inside is None else "yes" if inside else "no",
+            ]
+        table.add_row(*cells)
+    return table

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -52,15 +52,16 @@ class SimulationResult:
     def scenario_yaml(self) -> str:
         return scenario_to_yaml(self.scenario)
 
-    def write(self, out_dir: Path) -> Path:
-        """Write the run directory (with its block map)."""
+    def write(self, out_dir: Path, extra_writers: Sequence[Callable[[Path], None]] = ()) -> Path:
+        """Write the run directory (with its block map, and what ``extra_writers`` write
+        into it before it appears)."""
         return write_run(
             out_dir,
             self.summary,
             self.requests,
             self.steps,
             self.scenario_yaml,
-            extra_writers=[self.block_map.save],
+            extra_writers=[self.block_map.save, *extra_writers],
         )
 
 

@@ -105,18 +105,33 @@ def _print_validation(terminalreporter) -> None:
         f"(profile fitted on the calibration scenarios only: r2 {fit.get('r2', float('nan')):.3f}, "
         f"{fit.get('outlier_frac', 0) * 100:.1f}% stalled steps dropped):"
     )
+    bands = {b["metric"]: b for b in report.get("band") or []}
     for row in report["metrics"]:
         err = row["relative_error"]
         value, reference = row["value"], row["reference"]
         runs = ", ".join(f"{v:.6g}" for v in row["reference_runs"])
+        b = bands.get(row["metric"])
+        band = (
+            f" kvsim p10-p90 [{b['low']:.6g}, {b['high']:.6g}]"
+            if b and b["low"] is not None and b["high"] is not None
+            else ""
+        )
         terminalreporter.write_line(
             f"  {row['metric']:<24} kvsim {value if value is None else f'{value:.6g}':<12} "
             f"vLLM {reference if reference is None else f'{reference:.6g}':<12} "
-            f"error {'-' if err is None else f'{err * 100:+.1f}%':<8} runs [{runs}]"
+            f"error {'-' if err is None else f'{err * 100:+.1f}%':<8} runs [{runs}]{band}"
         )
     ratios = report.get("step_time_vs_sim") or []
     shown = ", ".join("-" if r is None else f"{r:.3f}" for r in ratios)
     terminalreporter.write_line(f"  vLLM step time / kvsim's, per replay: [{shown}]")
+    if bands:
+        inside = [m for m, b in bands.items() if b["inside"]]
+        outside = [m for m, b in bands.items() if b["inside"] is False]
+        terminalreporter.write_line(
+            f"  vLLM's median inside kvsim's p10-p90 band over step-speed samples: "
+            f"{len(inside)} of {len(inside) + len(outside)} metrics"
+            + (f" (outside: {', '.join(outside)})" if outside else "")
+        )
     coverage = report.get("shape_coverage")
     if coverage is not None:
         terminalreporter.write_line(

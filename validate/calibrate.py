@@ -198,6 +198,7 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
         created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
         max_num_batched_tokens=sorted({m.scenario.engine.max_num_batched_tokens for m in measured}),
         shape_cells=fitted_cells(s for m in measured for s in m.shapes),
+        run_step_ratios=[float(np.median(step_ratios(m, params))) for m in measured],
     )
 
 
@@ -214,22 +215,23 @@ class StepError:
     coverage: float  # share of its steps in the profile's fitted shape cells
 
 
+def step_ratios(measured: MeasuredRun, params: CostParams) -> np.ndarray:
+    """Measured / predicted time of each non-empty step of one measured run."""
+    m, s = measured, measured.scenario
+    cost = CostModel(s.model, s.hardware, s.engine.tensor_parallel_size, params)
+    steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, strict=True)
+    return np.array(
+        [d / cost.step_time_s(shape, idle, n) for shape, d, idle, n in steps if shape.num_tokens]
+    )
+
+
 def step_errors(
     measured: Sequence[MeasuredRun], params: CostParams, cells: Sequence[ShapeCell], name: str
 ) -> StepError:
     """The per-step error of ``params`` on ``measured`` (runs of one scenario, ``name``)."""
-    ratios: list[float] = []
-    shapes: list[BatchShape] = []
-    for m in measured:
-        s = m.scenario
-        cost = CostModel(s.model, s.hardware, s.engine.tensor_parallel_size, params)
-        steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, strict=True)
-        for shape, measured_s, idle, since in steps:
-            if shape.num_tokens:
-                ratios.append(measured_s / cost.step_time_s(shape, idle, since))
-                shapes.append(shape)
-    r = np.asarray(ratios)
+    r = np.concatenate([step_ratios(m, params) for m in measured])
     abs_pct = 100.0 * np.abs(1.0 - 1.0 / r)
+    shapes = [shape for m in measured for shape in m.shapes]
     return StepError(
         scenario=name,
         num_runs=len(measured),

@@ -157,11 +157,21 @@ def validate_cmd(
             "median of the runs; the table then shows their spread.",
         ),
     ] = 1,
+    samples: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Also simulate N times at the step speeds of the calibration's runs and "
+            "report whether the replays' median lies in kvsim's p10-p90 band.",
+        ),
+    ] = 0,
 ) -> None:
     """Run a scenario on real vLLM and in the simulator; print and save the error table."""
     require_vllm("validate")  # before anything imports it
     from sim.config.calibration import load_profile
+    from sim.report import band_table
     from sim.scenario import check_runnable, load_scenario
+    from sim.uncertainty import band_rows, run_samples, sample_profiles
 
     try:
         from validate.runner import (
@@ -179,6 +189,8 @@ def validate_cmd(
         check_runnable(spec, str(scenario))
         engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
         profile = load_profile(calibration) if calibration else None
+        if samples:
+            sample_profiles(profile, samples)  # before the replays, which take minutes
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")
         try:
             out_dir.mkdir(parents=True)  # atomic: a second validate with this --out stops here
@@ -210,9 +222,14 @@ def validate_cmd(
             ),
         )
         sim = run_sim(spec, profile, out_dir / "sim")
+        band = []
+        if samples:
+            with console.status(f"simulating {samples} step-speed samples ..."):
+                _, summaries = run_samples(spec, profile, samples)
+            band = band_rows(sim.summary, summaries)
     except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
-    report = build_report(spec, sim, reals, calibration)
+    report = build_report(spec, sim, reals, calibration, band)
     write_report(report, out_dir / "report.json")
     for real in reals:
         _print_run_status(real)
@@ -226,6 +243,9 @@ def validate_cmd(
         )
     )
     console.print(step_time_line(report.step_time_ratios), highlight=False)
+    if report.band:
+        references = {r.metric: r.reference for r in report.rows}
+        console.print(band_table(report.band, samples, False, references, reference))
     if report.shape_coverage is not None:
         console.print(
             f"shape coverage: {100 * report.shape_coverage:.1f}% of the simulation's steps are "

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+from sim.metrics import HEADLINE_METRICS, metric_value
 
 # How sure the interval around a repeated measurement's median must be (see median_interval).
 MEDIAN_CONFIDENCE = 0.75
@@ -27,23 +27,6 @@ BOUNDED_METRICS = (
     "output throughput",
     "preemptions",
     "prefix-cache hit rate",
-)
-
-# (label, path into summary["metrics"], unit: "s", "tok/s", "frac" (a 0-1 share) or "" (count))
-COMPARED_METRICS: tuple[tuple[str, tuple[str, ...], str], ...] = (
-    ("TTFT p50", (TTFT, "p50"), "s"),
-    ("TTFT p90", (TTFT, "p90"), "s"),
-    ("TTFT p99", (TTFT, "p99"), "s"),
-    ("ITL p50", (ITL, "p50"), "s"),
-    ("ITL p99", (ITL, "p99"), "s"),
-    ("E2E p50", (E2E, "p50"), "s"),
-    ("E2E p99", (E2E, "p99"), "s"),
-    ("queue time p50", (QUEUE, "p50"), "s"),
-    ("output throughput", ("output_throughput_tok_s",), "tok/s"),
-    ("preemptions", (PREEMPTIONS, "total"), ""),
-    ("prefix-cache hit rate", ("prefix_cache_hit_rate",), "frac"),
-    ("KV usage mean", (KV_USAGE, "mean"), "frac"),
-    ("KV usage peak", (KV_USAGE, "peak"), "frac"),
 )
 
 
@@ -116,15 +99,6 @@ def median_interval(
     return xs[k - 1], xs[n - k]
 
 
-def metric_value(summary: dict[str, Any], path: tuple[str, ...]) -> float | None:
-    node: Any = summary.get("metrics", {})
-    for key in path:
-        if not isinstance(node, dict) or key not in node:
-            return None
-        node = node[key]
-    return None if node is None else float(node)
-
-
 def compare_summaries(value: dict[str, Any], reference: dict[str, Any]) -> list[ComparisonRow]:
     """One row per compared metric: value, reference and relative error."""
     return compare_to_runs(value, [reference])
@@ -138,7 +112,7 @@ def compare_to_runs(
     if not references:
         raise ValueError("compare_to_runs needs at least one reference run")
     rows = []
-    for label, path, unit in COMPARED_METRICS:
+    for label, path, unit in HEADLINE_METRICS:
         runs = [metric_value(r, path) for r in references]
         present = tuple(v for v in runs if v is not None)
         reference = statistics.median(present) if len(present) == len(runs) else None

@@ -8,8 +8,8 @@ import os
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from sim.runner import simulate
 from sim.scenario import Scenario, scenario_to_yaml
 from sim.step_record import shapes_of_steps
 from sim.summary import build_summary
+from sim.uncertainty import BandRow
 from validate.calibrate import step_time_ratio
 from validate.compare import ComparisonRow, compare_to_runs, rows_to_records
 from validate.engine_args import resolve_model_dir
@@ -161,6 +162,25 @@ class ValidationReport:
     # Share of the simulation's steps in the profile's fitted shape cells (sim.shape_coverage);
     # None when the profile records none.
     shape_coverage: float | None = None
+    # kvsim's band over step-speed samples (sim.uncertainty), when asked for.
+    band: list[BandRow] = field(default_factory=list)
+
+    def band_records(self) -> list[dict[str, Any]]:
+        """Per metric: kvsim's median and p10-p90 band, the replays' median, and whether
+        that lies inside the band."""
+        reference = {r.metric: r.reference for r in self.rows}
+        return [
+            {
+                "metric": b.metric,
+                "unit": b.unit,
+                "median": b.median,
+                "low": b.low,
+                "high": b.high,
+                "reference": reference.get(b.metric),
+                "inside": b.contains(reference.get(b.metric)),
+            }
+            for b in self.band
+        ]
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -172,15 +192,21 @@ class ValidationReport:
             "metrics": rows_to_records(self.rows),
             "step_time_vs_sim": self.step_time_ratios,
             "shape_coverage": self.shape_coverage,
+            "band": self.band_records(),
             "warnings": self.warnings,
         }
 
 
 def build_report(
-    scenario: Scenario, sim: RunData, reals: list[RunData], calibration: Path | None
+    scenario: Scenario,
+    sim: RunData,
+    reals: list[RunData],
+    calibration: Path | None,
+    band: Sequence[BandRow] = (),
 ) -> ValidationReport:
     """The simulation against the measured runs (against their median when repeated), with
-    each run's step times against the cost parameters the simulation used."""
+    each run's step times against the cost parameters the simulation used, and ``band``
+    (kvsim's step-speed samples, :mod:`sim.uncertainty`) against the runs' median."""
     profile = (
         load_profile(calibration)
         if calibration
@@ -205,6 +231,7 @@ def build_report(
         step_time_ratios=[step_time_ratio(r, scenario, params) for r in reals],
         warnings=[w for w in warnings if w],
         shape_coverage=coverage.fraction if coverage else None,
+        band=list(band),
     )
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from sim.config.calibration import CalibrationProfile, save_profile
 from sim.results import RunData
 from sim.scenario import Scenario
+from sim.uncertainty import band_rows, run_samples
 from validate.calibrate import calibrate
 from validate.runner import ValidationReport, build_report, run_real, run_sim
 
@@ -63,6 +64,7 @@ def run_suite(
     rounds: int = DEFAULT_ROUNDS,
     max_duration_s: float | None = None,
     clock: Callable[[], float] = time.monotonic,
+    samples: int = 0,
 ) -> SuiteResult:
     """Interleaved replays (``rounds`` of each scenario), fit, simulate, compare.
 
@@ -73,6 +75,9 @@ def run_suite(
     ``max_duration_s`` bounds the replays' wall time on a slow machine: once ``MIN_ROUNDS``
     rounds are done, no round starts that would, at the mean round time so far, end past
     it. The result's ``rounds`` says how many ran.
+
+    ``samples`` adds kvsim's band over that many step-speed samples (:mod:`sim.uncertainty`,
+    drawn from the fitted profile's calibration runs) to each report.
     """
     if not calibration or not validation:
         raise ValueError("run_suite needs at least one calibration and one validation scenario")
@@ -113,5 +118,8 @@ def run_suite(
     reports, sims = {}, {}
     for scenario in validation:
         sims[scenario.name] = sim = run_sim(scenario, profile, out_dir / scenario.name / "sim")
-        reports[scenario.name] = build_report(scenario, sim, reals[scenario.name], profile_path)
+        band = band_rows(sim.summary, run_samples(scenario, profile, samples)[1]) if samples else []
+        reports[scenario.name] = build_report(
+            scenario, sim, reals[scenario.name], profile_path, band
+        )
     return SuiteResult(profile, measured, reports, reals, sims, done)

@@ -59,6 +59,12 @@ class CalibrationProfile(BaseModel):
         "what the fit covers. Empty for profiles not fitted on measured runs, or written "
         "before kvsim recorded them (then no coverage is reported).",
     )
+    run_step_ratios: list[float] = Field(
+        default_factory=list,
+        description="Per measured run the fit used: the median of its steps' measured / "
+        "fitted time, i.e. how fast that engine process ran (kvsim run --samples draws step "
+        "speeds from them). Empty for profiles not fitted on measured runs.",
+    )
     device_measurements: dict[str, float] = Field(
         default_factory=dict,
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "

@@ -11,6 +11,7 @@ import pytest
 from sim.config.calibration import save_profile
 from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
+from sim.uncertainty import band_rows, run_samples
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
 from validate.replay import ReplayResult
@@ -52,6 +53,30 @@ def test_the_report_names_a_token_budget_the_profile_was_not_fitted_at(tmp_path:
         assert report["shape_coverage"] < 0.9
         assert "the cost model extrapolates the step times" in warnings[-1]
     assert "engine.max_num_batched_tokens=384 was not calibrated" in warnings[0]
+
+
+def test_the_report_says_whether_the_replays_median_lies_in_kvsims_band(tmp_path: Path) -> None:
+    names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
+    runs = [
+        fake_replay(load_scenario(SCENARIO_DIR / "calibration" / f"{n}.yaml"), tmp_path / n).path
+        for n in names
+    ]
+    # Noise-free runs: every run's steps at 1.0 times the fit; widen the spread by hand.
+    profile = calibrate(runs).model_copy(update={"run_step_ratios": [0.8, 1.0, 1.25]})
+    save_profile(profile, tmp_path / "profile.json")
+    spec = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
+    real = fake_replay(spec, tmp_path / "real")
+    sim = run_sim(spec, profile, tmp_path / "sim")
+    band = band_rows(sim.summary, run_samples(spec, profile, 4, workers=1)[1])
+    records = {
+        r["metric"]: r
+        for r in build_report(spec, sim, [real], tmp_path / "profile.json", band).band_records()
+    }
+    itl = records["ITL p50"]
+    # The replay ran at exactly the fitted speed, inside the band from 0.8x to 1.25x.
+    assert itl["low"] < itl["reference"] < itl["high"] and itl["inside"] is True
+    assert records["preemptions"]["inside"] is True  # a band of one value holds it
+    assert build_report(spec, sim, [real], tmp_path / "profile.json").band_records() == []
 
 
 class RecordedTables:

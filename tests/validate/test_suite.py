@@ -28,7 +28,7 @@ def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
         for n in ("prefill-sweep", "agentic-contexts")
     ]
     validation = [load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")]
-    result = suite.run_suite(calibration, validation, tmp_path / "suite", rounds=2)
+    result = suite.run_suite(calibration, validation, tmp_path / "suite", rounds=2, samples=2)
     assert order == [
         "cal-prefill-sweep -> cal-prefill-sweep/real-1",
         "val-agentic-multiturn -> val-agentic-multiturn/real-1",
@@ -49,6 +49,10 @@ def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
     for metric in ("TTFT p50", "ITL p50", "E2E p50", "output throughput", "preemptions"):
         assert abs(rows[metric].relative_error) < 0.01, rows[metric]
         assert len(rows[metric].reference_runs) == 2
+    # Noise-free replays at one speed: the band over their run ratios is a point.
+    assert result.profile.run_step_ratios == pytest.approx([1.0] * 4, rel=1e-6)
+    band = {b["metric"]: b for b in report.to_json()["band"]}
+    assert band["ITL p50"]["low"] == pytest.approx(rows["ITL p50"].value, rel=1e-6)
 
 
 def test_suite_refuses_an_empty_side_a_reused_name_or_no_rounds(tmp_path: Path) -> None:

@@ -40,6 +40,9 @@ REPORT: dict = {}
 # where they would overrun this, the suite stops after four or five (validate.suite.MIN_ROUNDS)
 # and kvsim is checked against the full range of those replays.
 REPLAY_BUDGET_S = 40 * 60
+# kvsim's p10-p90 band over step-speed samples, printed beside the table (reported, not
+# bounded: the bound above is the 10%).
+BAND_SAMPLES = 10
 
 
 def test_calibrate_then_validate_against_vllm_on_this_machine(tmp_path: Path) -> None:

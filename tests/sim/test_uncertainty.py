@@ -1,0 +1,118 @@
+"""kvsim run --samples: the scenario at the step speeds of the calibration's measured runs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from sim.cli import app
+from sim.config.calibration import save_profile
+from sim.config.hardware import HARDWARE_PRESETS
+from sim.config.model import MODEL_PRESETS
+from sim.cost_model import CostModel, CostParams
+from sim.errors import KvsimConfigError
+from sim.scenario import SCENARIO_DIR, load_scenario
+from sim.scheduler.output import BatchShape
+from sim.uncertainty import (
+    SAMPLES,
+    band_rows,
+    run_samples,
+    sample_profiles,
+    scaled_params,
+    speed_factors,
+)
+from tests.profiles import profile_with
+
+FITTED = CostParams(
+    mode="additive",
+    compute_efficiency=2.0,
+    bandwidth_efficiency=1.1,
+    step_overhead_s=2e-3,
+    per_request_overhead_s=1e-4,
+    prefill_step_overhead_s=4e-3,
+    idle_wakeup_s=1e-3,
+    post_prefill_decode_s=1e-3,
+)
+RATIOS = [0.8, 0.9, 1.0, 1.1, 1.4]
+PROFILE = profile_with(FITTED, hardware="cpu", model="tiny-llama", run_step_ratios=RATIOS)
+SCENARIO = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
+
+
+def test_speed_factors_are_stratified_quantiles_of_the_runs() -> None:
+    assert speed_factors([1.0, 2.0], 2) == pytest.approx([1.25, 1.75])
+    assert speed_factors(RATIOS, 1) == [1.0]
+    assert speed_factors(RATIOS, 5) == pytest.approx([0.84, 0.92, 1.0, 1.08, 1.28])
+    with pytest.raises(ValueError, match="at least 1"):
+        speed_factors(RATIOS, 0)
+
+
+def test_scaled_params_scale_every_step_time_term() -> None:
+    model, hardware = MODEL_PRESETS["Llama-3.1-8B"], HARDWARE_PRESETS["H100-SXM-80GB"]
+    base = CostModel(model, hardware, 1, FITTED)
+    slow = CostModel(model, hardware, 1, scaled_params(FITTED, 1.25))
+    shapes = [
+        BatchShape(num_decode_reqs=3, decode_context_tokens=3000),
+        BatchShape(num_prefill_tokens=400, num_prefill_reqs=1, prefill_attention_pairs=9e4),
+    ]
+    for shape in shapes:
+        for idle, since in ((False, 0), (True, 0), (False, 3)):
+            assert slow.step_time_s(shape, idle, since) == pytest.approx(
+                1.25 * base.step_time_s(shape, idle, since), rel=1e-12
+            )
+    assert scaled_params(FITTED, 1.25).kv_transfer_efficiency == FITTED.kv_transfer_efficiency
+
+
+def test_samples_need_a_profile_fitted_on_measured_runs() -> None:
+    for profile in (None, profile_with(FITTED)):
+        with pytest.raises(KvsimConfigError, match="no measured run spread"):
+            sample_profiles(profile, 3)
+
+
+def test_samples_are_deterministic_and_ordered_by_speed() -> None:
+    spec = load_scenario(SCENARIO, ["workload.sessions=6"])
+    factors, summaries = run_samples(spec, PROFILE, 3, workers=2)
+    again = run_samples(spec, PROFILE, 3, workers=1)
+    assert (factors, summaries) == again
+    assert factors == pytest.approx([0.8 + 0.2 / 3, 1.0, 1.2])
+    rows = {r.metric: r for r in band_rows(summaries[1], summaries)}
+    itl = rows["ITL p50"]
+    assert itl.low is not None and itl.high is not None
+    assert itl.samples[0] < itl.samples[1] < itl.samples[2]  # slower steps, longer ITL
+    assert itl.low < itl.point == itl.median < itl.high
+    assert itl.contains(itl.median) and not itl.contains(2 * itl.high)
+    # The same scheduling at every speed here: hit rate is a property of the workload.
+    assert len(set(rows["prefix-cache hit rate"].samples)) == 1
+    seeds = run_samples(spec, PROFILE, 2, vary_seed=True, workers=1)[1]
+    assert [s["seed"] for s in seeds] == [spec.seed, spec.seed + 1]
+
+
+def test_cli_run_samples_writes_the_band(tmp_path: Path) -> None:
+    profile = tmp_path / "profile.json"
+    save_profile(PROFILE, profile)
+    args = ["run", str(SCENARIO), "--set", "workload.sessions=6", "--calibration", str(profile)]
+    result = CliRunner().invoke(
+        app, [*args, "--samples", "3", "--out", str(tmp_path / "run")], env={"COLUMNS": "160"}
+    )
+    assert result.exit_code == 0, result.output
+    band = json.loads((tmp_path / "run" / SAMPLES).read_text())
+    assert band["speed_factors"] == pytest.approx([0.8 + 0.2 / 3, 1.0, 1.2])
+    assert [m["metric"] for m in band["metrics"]][:2] == ["TTFT p50", "TTFT p90"]
+    assert "uncertainty: 3 samples at the step speeds" in result.output
+    for bad, message in (
+        (["--vary-seed"], "give --samples N"),
+        (["--samples", "2", "--calibration", str(tmp_path / "none.json")], "cannot read"),
+    ):
+        out = tmp_path / f"bad-{len(bad)}"
+        refused = CliRunner().invoke(app, [*args, *bad, "--out", str(out)])
+        assert refused.exit_code == 2 and message in " ".join(refused.output.split())
+        assert not out.exists()
+    no_runs = tmp_path / "no-runs.json"
+    save_profile(profile_with(FITTED), no_runs)
+    refused = CliRunner().invoke(
+        app, [*args, "--calibration", str(no_runs), "--samples", "2", "--out", str(tmp_path / "x")]
+    )
+    assert refused.exit_code == 2 and "no measured run spread" in refused.output
+    assert not (tmp_path / "x").exists()
