@@ -185,11 +185,12 @@ def simulate(
         "source": "sim",
         "kvsim_version": __version__,
         "hardware": scenario.hardware.name,
-        # The profile that priced the steps, less its fitted shape cells (hundreds of them;
-        # kvsim run prints the run's coverage instead).
+        # The profile that priced the steps, less what describes its calibration runs rather
+        # than the pricing: the fitted shape cells (hundreds; kvsim run prints the run's
+        # coverage instead) and each run's speed (what --samples draws from).
         "calibration": None
         if calibration is None
-        else calibration.model_dump(mode="json", exclude={"shape_cells"}),
+        else calibration.model_dump(mode="json", exclude={"shape_cells", "run_step_ratios"}),
     }
     summary = build_summary(
         provenance,

@@ -120,5 +120,6 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "source": "vllm",
         "environment": {},
         "shape_cells": [],
+        "run_step_ratios": [],
         "device_measurements": {},
     }
