@@ -41,11 +41,14 @@ from dashboard.data import (
     replica_points,
     take_token_times,
 )
+from sim.report import format_value
 from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
 from sim.results import list_runs as complete_runs
+from sim.uncertainty import SAMPLES
 
 BLOCK_MAP = "block_map.npz"
 _RUN_FILES = (SUMMARY, REQUESTS, STEPS, SCENARIO, BLOCK_MAP)
+BAND_COLUMNS = ("metric", "this run", "median", "p10", "p90")
 
 
 def list_runs(base: Path) -> list[Path]:
@@ -251,3 +254,25 @@ def _cached_json(path: str, mtime_ns: int) -> Any:
 
 def load_json(path: Path) -> Any:
     return _cached_json(str(path.resolve()), path.stat().st_mtime_ns)
+
+
+def read_band(path: Path) -> tuple[pd.DataFrame, int] | None:
+    """The run's uncertainty band (``samples.json`` of ``kvsim run --samples``) as a table
+    of formatted values, and its number of samples; None when the run has none. A malformed
+    file raises ValueError naming it."""
+    file = Path(path) / SAMPLES
+    if not file.is_file():
+        return None
+    try:
+        record = json.loads(file.read_text())
+        rows = [
+            (
+                m["metric"],
+                *(format_value(m[k], m["unit"]) for k in ("point", "median", "low", "high")),
+            )
+            for m in record["metrics"]
+        ]
+        num_samples = len(record["speed_factors"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"{file}: cannot read the uncertainty band ({exc})") from None
+    return pd.DataFrame(rows, columns=list(BAND_COLUMNS)), num_samples

@@ -152,7 +152,8 @@ def step_time_source(summary: dict[str, Any]) -> str:
     )
 
 
-def _by_unit(value: float | None, unit: str) -> str:
+def format_value(value: float | None, unit: str) -> str:
+    """A metric value in its unit: "s" as ms, "frac" as a percentage, else a number."""
     if unit == "s":
         return _ms(value)
     if unit == "frac":
@@ -181,12 +182,12 @@ def band_table(
     for col in columns:
         table.add_column(col, justify="left" if col == "metric" else "right")
     for r in rows:
-        cells = [r.metric, *(_by_unit(v, r.unit) for v in (r.point, r.median, r.low, r.high))]
+        cells = [r.metric, *(format_value(v, r.unit) for v in (r.point, r.median, r.low, r.high))]
         if references is not None:
             reference = references.get(r.metric)
             inside = r.contains(reference)
             cells += [
-                _by_unit(reference, r.unit),
+                format_value(reference, r.unit),
                 "-" if inside is None else "yes" if inside else "no",
             ]
         table.add_row(*cells)

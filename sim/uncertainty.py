@@ -67,12 +67,17 @@ def sample_profiles(
     profile: CalibrationProfile | None, num_samples: int
 ) -> list[tuple[float, CalibrationProfile]]:
     """(speed factor, profile) of each sample; a clear error for a profile without runs."""
-    if profile is None or not profile.run_step_ratios:
-        what = "no --calibration" if profile is None else "this calibration profile"
+    if profile is None:
         raise KvsimConfigError(
-            f"--samples {num_samples}: {what} has no measured run spread to draw step speeds "
-            "from; pass a profile written by kvsim calibrate on measured runs (profiles "
-            "written before kvsim recorded run_step_ratios need a refit)"
+            f"--samples {num_samples} draws step speeds from the measured runs a calibration "
+            "profile was fitted on; pass --calibration with a profile written by kvsim "
+            "calibrate"
+        )
+    if not profile.run_step_ratios:
+        raise KvsimConfigError(
+            f"--samples {num_samples}: the calibration profile records no measured run "
+            "spread to draw step speeds from (run_step_ratios is empty: it was not fitted by "
+            "kvsim calibrate on measured runs, or before kvsim recorded them; refit it)"
         )
     return [
         (f, profile.model_copy(update={"params": scaled_params(profile.params, f)}))

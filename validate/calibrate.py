@@ -184,7 +184,13 @@ def fit_measured(measured: Sequence[MeasuredRun]) -> tuple[CostParams, dict[str,
 
 def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> CalibrationProfile:
     """Fit one profile to the measured steps of ``run_dirs`` (same model, device, TP)."""
-    measured = load_measured(run_dirs)
+    return calibrate_measured(load_measured(run_dirs), run_dirs, command)
+
+
+def calibrate_measured(
+    measured: Sequence[MeasuredRun], run_dirs: Sequence[Path], command: str = "kvsim calibrate"
+) -> CalibrationProfile:
+    """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``)."""
     params, fit = fit_measured(measured)
     base, first = measured[0].scenario, measured[0].run
     return CalibrationProfile(
@@ -244,13 +250,12 @@ def step_errors(
 
 
 def leave_one_scenario_out(
-    run_dirs: Sequence[Path],
+    measured: Sequence[MeasuredRun], params: CostParams
 ) -> tuple[list[StepError], list[StepError]]:
-    """Per calibration scenario (runs grouped by scenario name): the per-step error of the
-    profile fitted on all runs (in-sample), and of the profile fitted on the *other*
-    scenarios' runs only (held out): how well the fit generalizes to shapes and traffic it
-    has not seen. Needs runs of at least two scenarios."""
-    measured = load_measured(run_dirs)
+    """Per scenario of ``measured`` (runs grouped by scenario name): the per-step error of
+    ``params`` (the profile fitted on all runs: in-sample), and of a profile fitted on the
+    *other* scenarios' runs only (held out): how well the fit generalizes to shapes and
+    traffic it has not seen. Needs runs of at least two scenarios."""
     groups: dict[str, list[MeasuredRun]] = {}
     for m in measured:
         groups.setdefault(m.scenario.name, []).append(m)
@@ -259,13 +264,12 @@ def leave_one_scenario_out(
             f"--leave-one-out needs runs of at least two scenarios; all {len(measured)} runs "
             f"are of {next(iter(groups))!r}"
         )
-    all_params, _ = fit_measured(measured)
     all_cells = fitted_cells(s for m in measured for s in m.shapes)
     in_sample, held_out = [], []
     for name, runs in groups.items():
         others = [m for m in measured if m.scenario.name != name]
-        params, _ = fit_measured(others)
-        cells = fitted_cells(s for m in others for s in m.shapes)
-        in_sample.append(step_errors(runs, all_params, all_cells, name))
-        held_out.append(step_errors(runs, params, cells, name))
+        others_params, _ = fit_measured(others)
+        others_cells = fitted_cells(s for m in others for s in m.shapes)
+        in_sample.append(step_errors(runs, params, all_cells, name))
+        held_out.append(step_errors(runs, others_params, others_cells, name))
     return in_sample, held_out

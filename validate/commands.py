@@ -292,7 +292,7 @@ def calibrate_cmd(
     from sim.config.calibration import save_profile
     from sim.config.hardware import resolve_hardware
     from sim.results import check_out_free
-    from validate.calibrate import calibrate, leave_one_scenario_out
+    from validate.calibrate import calibrate_measured, leave_one_scenario_out, load_measured
 
     try:
         if bool(runs) == (vidur is not None):
@@ -319,10 +319,11 @@ def calibrate_cmd(
                 profile = vidur_profile(vidur, gpu, hw)
             notes = vidur_warnings(profile, gpu)
         else:
-            profile = calibrate(runs or [])
+            measured = load_measured(runs or [])
+            profile = calibrate_measured(measured, runs or [])
             if leave_one_out:
                 with console.status("fitting once per held-out scenario ..."):
-                    errors = leave_one_scenario_out(runs or [])
+                    errors = leave_one_scenario_out(measured, profile.params)
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None

@@ -31,7 +31,7 @@ with st.spinner("Loading..."):
         session_waterfall,
     )
     from dashboard.errors import guard, show_error
-    from dashboard.loaders import BlockMap, RunView, load_block_map, load_view
+    from dashboard.loaders import BlockMap, RunView, load_block_map, load_view, read_band
     from dashboard.locations import runs_dir
     from dashboard.tables import IMBALANCES, fleet_frame, router_line
 
@@ -238,6 +238,21 @@ def _cpu_map(block_map: BlockMap, index: int) -> None:
     )
 
 
+def _band(path: Path) -> None:
+    band = read_band(path)
+    if band is None:
+        return
+    table, num_samples = band
+    plural = "s" if num_samples != 1 else ""
+    with st.expander(f"Uncertainty band ({num_samples} step-speed sample{plural})"):
+        st.caption(
+            "`kvsim run --samples`: the scenario again at the step speeds of the calibration's "
+            "measured runs; each metric at the profile as fitted, and the samples' median and "
+            "p10-p90 (samples.json)."
+        )
+        st.dataframe(table, hide_index=True, key="ex-band")
+
+
 def _cdfs(view: RunView, replica: int | None) -> None:
     st.subheader("Latency CDFs by priority class")
     cdfs = view.cdfs if replica is None else view.replica_cdfs[replica]
@@ -299,6 +314,7 @@ if path is not None:
         view = load_view(path)
         with st.expander("Summary", expanded=True):
             show_summary(view.summary, key="ex")
+        _band(Path(view.path))
         replica = None
         if view.replicas:
             _fleet(view)

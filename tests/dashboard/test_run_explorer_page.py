@@ -4,6 +4,7 @@ and runs without a block map."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -179,3 +180,25 @@ def test_run_explorer_empty_runs_dir(tmp_path: Path, monkeypatch: pytest.MonkeyP
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
     at = open_page(start_app(), "run_explorer")
     assert any("No run directories" in i for i in texts(at.info))
+
+
+def test_run_explorer_shows_the_uncertainty_band(runs_env: Path, tmp_path: Path) -> None:
+    from sim.uncertainty import SAMPLES, band_records, band_rows
+
+    run = tmp_path / "sampled"
+    shutil.copytree(runs_env / "coding-small", run)
+    summary = json.loads((run / "summary.json").read_text())
+    record = band_records(band_rows(summary, [summary, summary, summary]), [0.9, 1.0, 1.1])
+    (run / SAMPLES).write_text(json.dumps(record))
+    at = open_page(start_app(), "run_explorer")
+    at.text_input(key="ex-path").set_value(str(run)).run()
+    assert not at.exception, at.exception
+    assert not at.error, texts(at.error)
+    (expander,) = [e for e in at.expander if e.label.startswith("Uncertainty band")]
+    assert expander.label == "Uncertainty band (3 step-speed samples)"
+    (band,) = expander.dataframe
+    assert list(band.value["metric"])[:2] == ["TTFT p50", "TTFT p90"]
+    assert list(band.value.columns) == ["metric", "this run", "median", "p10", "p90"]
+    (run / SAMPLES).write_text("{not json")
+    at.text_input(key="ex-path").set_value(str(run) + "/").run()
+    assert any("cannot read the uncertainty band" in e for e in texts(at.error))

@@ -66,9 +66,10 @@ def test_scaled_params_scale_every_step_time_term() -> None:
 
 
 def test_samples_need_a_profile_fitted_on_measured_runs() -> None:
-    for profile in (None, profile_with(FITTED)):
-        with pytest.raises(KvsimConfigError, match="no measured run spread"):
-            sample_profiles(profile, 3)
+    with pytest.raises(KvsimConfigError, match="pass --calibration"):
+        sample_profiles(None, 3)
+    with pytest.raises(KvsimConfigError, match="no measured run spread"):
+        sample_profiles(profile_with(FITTED), 3)
 
 
 def test_samples_are_deterministic_and_ordered_by_speed() -> None:

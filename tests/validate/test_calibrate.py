@@ -14,7 +14,13 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.shape_coverage import fitted_cells
 from sim.step_record import shapes_of_steps
 from tests.validate.fake_vllm import TRUTH, fake_replay
-from validate.calibrate import calibrate, leave_one_scenario_out, step_shapes, step_time_ratio
+from validate.calibrate import (
+    calibrate,
+    leave_one_scenario_out,
+    load_measured,
+    step_shapes,
+    step_time_ratio,
+)
 
 
 def measured_looking_run(tmp_path: Path, name: str, source: str = "vllm") -> Path:
@@ -94,7 +100,8 @@ def test_profile_records_the_shapes_it_was_fitted_on(tmp_path: Path) -> None:
 def test_leave_one_scenario_out_fits_without_the_held_out_runs(tmp_path: Path) -> None:
     names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
     runs = [measured_looking_run(tmp_path, n) for n in names]
-    in_sample, held_out = leave_one_scenario_out(runs)
+    measured = load_measured(runs)
+    in_sample, held_out = leave_one_scenario_out(measured, calibrate(runs).params)
     assert [e.scenario for e in held_out] == [f"cal-{n}" for n in names]
     for mine, out in zip(in_sample, held_out, strict=True):
         # Noise-free steps priced by one additive model: every fit recovers it.
@@ -104,7 +111,7 @@ def test_leave_one_scenario_out_fits_without_the_held_out_runs(tmp_path: Path) -
     decode_sweep = held_out[1]
     assert decode_sweep.coverage < 0.5 < 0.95 < in_sample[1].coverage
     with pytest.raises(KvsimConfigError, match="at least two scenarios"):
-        leave_one_scenario_out(runs[:1])
+        leave_one_scenario_out(measured[:1], TRUTH)
 
 
 def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) -> None:
