@@ -82,7 +82,8 @@ def run(
         band_records,
         band_rows,
         run_samples,
-        sample_profiles,
+        sample_factors,
+        truncation_warning,
     )
 
     out_dir: Path | None = None
@@ -96,7 +97,7 @@ def run(
         if vary_seed and not samples:
             raise KvsimConfigError("--vary-seed varies the seeds of --samples; give --samples N")
         if samples:
-            sample_profiles(profile, samples)  # a profile without measured runs: say so now
+            sample_factors(profile, samples)  # a profile without measured runs: say so now
         warnings = (
             [
                 profile.budget_warning(spec.engine.max_num_batched_tokens),
@@ -137,6 +138,7 @@ def run(
                 "arrivals earlier"
             )
         band: list[BandRow] = []
+        band_warning = None
         writers = []
         if samples:
             with Progress(
@@ -157,7 +159,8 @@ def run(
                     on_done=lambda k: bar.update(task, completed=k),
                 )
             band = band_rows(result.summary, summaries)
-            record = band_records(band, factors)
+            band_warning = truncation_warning(result.summary, summaries)
+            record = band_records(band, factors, summaries)
             writers.append(lambda d: (d / SAMPLES).write_text(json.dumps(record, indent=2) + "\n"))
         result.write(out_dir, writers)
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
@@ -184,6 +187,8 @@ def run(
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
     if band:
         console.print(band_table(band, samples, vary_seed))
+        if band_warning:
+            err_console.print(f"[yellow]{band_warning}[/yellow]", highlight=False)
     sim_s = result.summary["duration_s"]
     console.print(
         f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "

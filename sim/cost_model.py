@@ -208,7 +208,13 @@ class CostModel:
         hardware: Hardware,
         tensor_parallel_size: int = 1,
         params: CostParams | None = None,
+        step_time_scale: float = 1.0,
     ) -> None:
+        """``step_time_scale`` multiplies every step time (not swap or offload transfers):
+        the speed of one engine process against the fitted profile (sim/uncertainty.py)."""
+        if not step_time_scale > 0:
+            raise ValueError(f"step_time_scale={step_time_scale}: must be > 0")
+        self._scale = step_time_scale
         model.check_tensor_parallel(tensor_parallel_size)
         params = params if params is not None else CostParams()
         self.model, self.hardware, self.params = model, hardware, params
@@ -303,7 +309,7 @@ class CostModel:
                 if steps_since_prefill > 0 and not shape.num_prefill_reqs
                 else 0.0
             )
-        )
+        ) * self._scale  # exact at 1.0: x * 1.0 == x
 
     def allreduce_time_s(self, shape: BatchShape) -> float:
         """Tensor-parallel all-reduce seconds of one step (0 without TP or tokens)."""

@@ -104,6 +104,7 @@ def simulate(
     progress: ProgressFn | None = None,
     exact_reference: bool = False,
     kv_waste: bool = False,
+    step_time_scale: float = 1.0,
 ) -> SimulationResult:
     """Run the scenario to completion (or to its time limit) and summarise it.
 
@@ -112,7 +113,8 @@ def simulate(
     the scheduler, without the engine's stretches (see ``sim.engine``): the
     reference the fast path is tested against; results are identical, only slower.
     ``kv_waste`` adds the KV waste breakdown of the paged allocator to the summary (always
-    there for a contiguous one; see ``sim.kv.waste``).
+    there for a contiguous one; see ``sim.kv.waste``). ``step_time_scale`` multiplies every
+    step time (an engine process slower or faster than the profile: ``kvsim run --samples``).
     """
     sizing = size_for(scenario)
     engine_cfg = scenario.engine
@@ -120,7 +122,7 @@ def simulate(
         calibration = shipped_profile(scenario.hardware, scenario.model)
     params = calibration.params if calibration is not None else CostParams()
     cost_model = CostModel(
-        scenario.model, scenario.hardware, engine_cfg.tensor_parallel_size, params
+        scenario.model, scenario.hardware, engine_cfg.tensor_parallel_size, params, step_time_scale
     )
     env = simpy.Environment()
     fleet = scenario.fleet

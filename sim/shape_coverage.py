@@ -10,9 +10,12 @@ Shapes are binned into cells on a log2 grid (bucket ``k`` holds ``2**(k-1)`` to
   before a chunk, bucket of its decodes).
 
 ``kvsim calibrate`` records the cells with at least :data:`MIN_STEPS_PER_CELL` measured steps
-in the profile (``CalibrationProfile.shape_cells``); a run's coverage is the share of its
-non-empty steps whose cell is one of them. Below :data:`WARN_BELOW` the run's step times are
-largely extrapolated and ``kvsim run`` / ``kvsim validate`` say so.
+in the profile (``CalibrationProfile.shape_cells``). A run's step lies inside the fitted
+range when its cell is one of them, or lies between two of them along one axis, the other
+coordinates equal (e.g. decodes of 8-15 requests at a context where 4-7 and 16-31 were
+fitted: interpolation, not extrapolation). A run's coverage is the share of its non-empty
+steps inside. Below :data:`WARN_BELOW` the run's step times are largely extrapolated and
+``kvsim run`` / ``kvsim validate`` say so.
 """
 
 from __future__ import annotations
@@ -37,8 +40,11 @@ def shape_cell(shape: BatchShape) -> ShapeCell:
     num_decodes = shape.num_decode_reqs
     if shape.num_prefill_reqs:
         chunk = shape.num_prefill_tokens / shape.num_prefill_reqs
-        # Mean context before a chunk, from its attention pairs (as the cost model reads it).
-        context = max(0, int(shape.prefill_attention_pairs / chunk - chunk / 2))
+        # Mean context before a chunk, from the attention pairs sum(c_i * (ctx_i + c_i / 2)):
+        # exact for one chunk or equal chunks.
+        context = max(
+            0, round(shape.prefill_attention_pairs / shape.num_prefill_tokens - chunk / 2)
+        )
         prefill_tokens = shape.num_prefill_tokens
         return (1, prefill_tokens.bit_length(), context.bit_length(), num_decodes.bit_length())
     context = shape.decode_context_tokens // max(num_decodes, 1)
@@ -83,12 +89,36 @@ class ShapeCoverage:
 
 
 def shape_coverage(shapes: Sequence[BatchShape], cells: Iterable[ShapeCell]) -> ShapeCoverage:
-    """How many of ``shapes``' non-empty steps lie in ``cells``."""
-    fitted = set(map(tuple, cells))
+    """How many of ``shapes``' non-empty steps lie inside the fitted ``cells`` (in one, or
+    between two along one axis: see the module docstring)."""
+    inside = _Inside(cells)
     counts = Counter(shape_cell(s) for s in shapes if s.num_tokens)
-    missing = Counter({cell: n for cell, n in counts.items() if cell not in fitted})
+    missing = Counter({cell: n for cell, n in counts.items() if not inside(cell)})
     num_steps = sum(counts.values())
     return ShapeCoverage(num_steps, num_steps - sum(missing.values()), missing.most_common())
+
+
+class _Inside:
+    """Whether a cell is fitted or lies between two fitted cells along one axis."""
+
+    def __init__(self, cells: Iterable[ShapeCell]) -> None:
+        self.fitted = {tuple(c) for c in cells}
+        # Per axis (1, 2, 3) and the cell's other coordinates: the fitted range on that axis.
+        self.ranges: dict[tuple[int, tuple[int, ...]], tuple[int, int]] = {}
+        for cell in self.fitted:
+            for axis in (1, 2, 3):
+                key = (axis, cell[:axis] + cell[axis + 1 :])
+                low, high = self.ranges.get(key, (cell[axis], cell[axis]))
+                self.ranges[key] = (min(low, cell[axis]), max(high, cell[axis]))
+
+    def __call__(self, cell: ShapeCell) -> bool:
+        if cell in self.fitted:
+            return True
+        for axis in (1, 2, 3):
+            span = self.ranges.get((axis, cell[:axis] + cell[axis + 1 :]))
+            if span is not None and span[0] < cell[axis] < span[1]:
+                return True
+        return False
 
 
 def describe_cell(cell: ShapeCell) -> str:

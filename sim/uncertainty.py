@@ -6,10 +6,11 @@ machines one vLLM process ran the same batches at 0.8x to 1.5x the speed of the 
 closed loop under pressure compounds a slower step into later preemptions and arrivals. A
 profile fitted by ``kvsim calibrate`` records, per measured run, the median of its steps'
 measured / fitted time (``CalibrationProfile.run_step_ratios``). ``kvsim run --samples N``
-simulates the scenario N times, sample ``i`` with every step time scaled by the
-``(i + 0.5) / N`` quantile of those ratios (a stratified draw: a stable band from a few
-samples), and with ``vary_seed`` also with workload seed ``seed + i``. Each sample is a whole
-run of the same engine, so the band costs N runs, spread over worker processes.
+simulates the scenario N times, sample ``i`` with every step time multiplied by the
+``(i + 0.5) / N`` quantile of those ratios (``CostModel``'s ``step_time_scale``; swap and
+offload copies keep their speed; a stratified draw: a stable band from a few samples), and
+with ``vary_seed`` also with workload seed ``seed + i``. Each sample is a whole run of the
+same engine, so the band costs N runs, spread over worker processes.
 
 Not modelled: step-to-step jitter within one process (a step's own residual), which moves the
 p99 latencies more than the medians.
@@ -20,13 +21,13 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from sim.config.calibration import CalibrationProfile
-from sim.cost_model import COST_TERMS, CostParams
 from sim.errors import KvsimConfigError
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
@@ -48,25 +49,8 @@ def speed_factors(run_step_ratios: Sequence[float], num_samples: int) -> list[fl
     return [float(q) for q in np.quantile(np.asarray(run_step_ratios, dtype=float), quantiles)]
 
 
-def scaled_params(params: CostParams, factor: float) -> CostParams:
-    """``params`` with every step-time term ``factor`` times as costly (efficiencies divided,
-    overheads multiplied); PCIe transfers are not engine steps and keep their speed."""
-    if params.mode == "operators":
-        raise KvsimConfigError(
-            "kvsim run --samples scales a profile fitted on measured runs (kvsim calibrate); "
-            "this one is a GPU kernel fit (cost mode 'operators'), which has no run spread"
-        )
-    update: dict[str, float] = {"allreduce_latency_s": params.allreduce_latency_s * factor}
-    for term in COST_TERMS:
-        value: float = getattr(params, term.param)
-        update[term.param] = value / factor if term.efficiency else value * factor
-    return params.model_copy(update=update)
-
-
-def sample_profiles(
-    profile: CalibrationProfile | None, num_samples: int
-) -> list[tuple[float, CalibrationProfile]]:
-    """(speed factor, profile) of each sample; a clear error for a profile without runs."""
+def sample_factors(profile: CalibrationProfile | None, num_samples: int) -> list[float]:
+    """The step-time scale of each sample; a clear error for a profile without runs."""
     if profile is None:
         raise KvsimConfigError(
             f"--samples {num_samples} draws step speeds from the measured runs a calibration "
@@ -79,10 +63,7 @@ def sample_profiles(
             "spread to draw step speeds from (run_step_ratios is empty: it was not fitted by "
             "kvsim calibrate on measured runs, or before kvsim recorded them; refit it)"
         )
-    return [
-        (f, profile.model_copy(update={"params": scaled_params(profile.params, f)}))
-        for f in speed_factors(profile.run_step_ratios, num_samples)
-    ]
+    return speed_factors(profile.run_step_ratios, num_samples)
 
 
 @dataclass(frozen=True)
@@ -93,7 +74,7 @@ class BandRow:
     median: float | None  # over the samples
     low: float | None  # BAND_PERCENTILES[0] of the samples
     high: float | None  # BAND_PERCENTILES[1]
-    samples: tuple[float, ...]
+    samples: tuple[float | None, ...]  # one per sample, None where it lacks the metric
 
     def contains(self, value: float | None) -> bool | None:
         """Whether ``value`` lies in [low, high]; None when either side is missing."""
@@ -122,17 +103,38 @@ def band_rows(point: dict[str, Any] | None, samples: Sequence[dict[str, Any]]) -
                 median=float(np.median(present)) if complete else None,
                 low=low,
                 high=high,
-                samples=present,
+                samples=tuple(values),
             )
         )
     return rows
 
 
-def band_records(rows: Sequence[BandRow], factors: Sequence[float]) -> dict[str, Any]:
+def truncated_samples(summaries: Sequence[dict[str, Any]]) -> list[int]:
+    """The samples (by index) that hit ``limits.max_duration_s``: their latencies leave out
+    the requests they did not finish."""
+    return [i for i, s in enumerate(summaries) if s.get("truncated_at_limit")]
+
+
+def truncation_warning(point: dict[str, Any], summaries: Sequence[dict[str, Any]]) -> str | None:
+    """Why the band may read better than the truth, or None."""
+    cut = truncated_samples(summaries)
+    if not cut or point.get("truncated_at_limit"):
+        return None  # a truncated run says so itself
+    return (
+        f"{len(cut)} of {len(summaries)} samples hit limits.max_duration_s (the run itself did "
+        "not): their latencies leave out the requests they did not finish, so the band's slow "
+        "side reads better than it is; raise limits.max_duration_s"
+    )
+
+
+def band_records(
+    rows: Sequence[BandRow], factors: Sequence[float], summaries: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
     """JSON-ready band (``samples.json`` of a run directory)."""
     return {
         "percentiles": list(BAND_PERCENTILES),
         "speed_factors": list(factors),
+        "truncated_samples": truncated_samples(summaries),
         "metrics": [
             {
                 "metric": r.metric,
@@ -148,10 +150,12 @@ def band_records(rows: Sequence[BandRow], factors: Sequence[float]) -> dict[str,
     }
 
 
-def _simulate_summary(scenario: Scenario, profile: CalibrationProfile) -> dict[str, Any]:
+def _simulate_summary(
+    scenario: Scenario, profile: CalibrationProfile, scale: float
+) -> dict[str, Any]:
     from sim.runner import simulate
 
-    return simulate(scenario, profile).summary
+    return simulate(scenario, profile, step_time_scale=scale).summary
 
 
 def run_samples(
@@ -164,24 +168,32 @@ def run_samples(
 ) -> tuple[list[float], list[dict[str, Any]]]:
     """The speed factors and summaries of ``num_samples`` runs (see the module docstring),
     in sample order, on up to ``workers`` processes (default: every core, at most one per
-    sample). ``on_done(k)`` runs after each finished sample, with the number done."""
-    samples = sample_profiles(profile, num_samples)
+    sample; one process where worker processes cannot start). ``on_done(k)`` runs after
+    each finished sample, with the number done."""
+    factors = sample_factors(profile, num_samples)
+    assert profile is not None
     jobs = [
-        (scenario.model_copy(update={"seed": scenario.seed + i}) if vary_seed else scenario, p)
-        for i, (_, p) in enumerate(samples)
+        (scenario.model_copy(update={"seed": scenario.seed + i}) if vary_seed else scenario, f)
+        for i, f in enumerate(factors)
     ]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
     summaries: list[dict[str, Any]] = []
-    if workers == 1:
-        for spec, p in jobs:
-            summaries.append(_simulate_summary(spec, p))
-            if on_done:
-                on_done(len(summaries))
-    else:
-        with ProcessPoolExecutor(max_workers=workers) as pool:
-            futures = [pool.submit(_simulate_summary, spec, p) for spec, p in jobs]
-            for future in futures:  # in sample order: the result does not depend on timing
-                summaries.append(future.result())
-                if on_done:
-                    on_done(len(summaries))
-    return [f for f, _ in samples], summaries
+
+    def add(summary: dict[str, Any]) -> None:
+        summaries.append(summary)
+        if on_done:
+            on_done(len(summaries))
+
+    if workers > 1:
+        try:
+            with ProcessPoolExecutor(max_workers=workers) as pool:
+                futures = [pool.submit(_simulate_summary, spec, profile, f) for spec, f in jobs]
+                for future in futures:  # in sample order: the result does not depend on timing
+                    add(future.result())
+        except (OSError, BrokenProcessPool):
+            # No worker processes here (no /dev/shm, a sandbox), or a worker died (memory):
+            # the samples left run one by one in this process, with the same results.
+            pass
+    for spec, f in jobs[len(summaries) :]:
+        add(_simulate_summary(spec, profile, f))
+    return factors, summaries

@@ -249,13 +249,8 @@ def step_errors(
     )
 
 
-def leave_one_scenario_out(
-    measured: Sequence[MeasuredRun], params: CostParams
-) -> tuple[list[StepError], list[StepError]]:
-    """Per scenario of ``measured`` (runs grouped by scenario name): the per-step error of
-    ``params`` (the profile fitted on all runs: in-sample), and of a profile fitted on the
-    *other* scenarios' runs only (held out): how well the fit generalizes to shapes and
-    traffic it has not seen. Needs runs of at least two scenarios."""
+def scenario_groups(measured: Sequence[MeasuredRun]) -> dict[str, list[MeasuredRun]]:
+    """The runs by scenario name, for leaving one out; at least two scenarios, or an error."""
     groups: dict[str, list[MeasuredRun]] = {}
     for m in measured:
         groups.setdefault(m.scenario.name, []).append(m)
@@ -264,6 +259,17 @@ def leave_one_scenario_out(
             f"--leave-one-out needs runs of at least two scenarios; all {len(measured)} runs "
             f"are of {next(iter(groups))!r}"
         )
+    return groups
+
+
+def leave_one_scenario_out(
+    measured: Sequence[MeasuredRun], params: CostParams
+) -> tuple[list[StepError], list[StepError]]:
+    """Per scenario of ``measured`` (runs grouped by scenario name): the per-step error of
+    ``params`` (the profile fitted on all runs: in-sample), and of a profile fitted on the
+    *other* scenarios' runs only (held out): how well the fit generalizes to shapes and
+    traffic it has not seen. Needs runs of at least two scenarios."""
+    groups = scenario_groups(measured)
     all_cells = fitted_cells(s for m in measured for s in m.shapes)
     in_sample, held_out = [], []
     for name, runs in groups.items():

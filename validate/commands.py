@@ -171,7 +171,7 @@ def validate_cmd(
     from sim.config.calibration import load_profile
     from sim.report import band_table
     from sim.scenario import check_runnable, load_scenario
-    from sim.uncertainty import band_rows, run_samples, sample_profiles
+    from sim.uncertainty import band_rows, run_samples, sample_factors, truncation_warning
 
     try:
         from validate.runner import (
@@ -190,7 +190,7 @@ def validate_cmd(
         engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
         profile = load_profile(calibration) if calibration else None
         if samples:
-            sample_profiles(profile, samples)  # before the replays, which take minutes
+            sample_factors(profile, samples)  # before the replays, which take minutes
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-validate-{device}")
         try:
             out_dir.mkdir(parents=True)  # atomic: a second validate with this --out stops here
@@ -223,10 +223,12 @@ def validate_cmd(
         )
         sim = run_sim(spec, profile, out_dir / "sim")
         band = []
+        band_warning = None
         if samples:
             with console.status(f"simulating {samples} step-speed samples ..."):
                 _, summaries = run_samples(spec, profile, samples)
             band = band_rows(sim.summary, summaries)
+            band_warning = truncation_warning(sim.summary, summaries)
     except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
     report = build_report(spec, sim, reals, calibration, band)
@@ -246,6 +248,8 @@ def validate_cmd(
     if report.band:
         references = {r.metric: r.reference for r in report.rows}
         console.print(band_table(report.band, samples, False, references, reference))
+        if band_warning:
+            err_console.print(f"[yellow]{band_warning}[/yellow]", highlight=False)
     if report.shape_coverage is not None:
         console.print(
             f"shape coverage: {100 * report.shape_coverage:.1f}% of the simulation's steps are "
@@ -292,7 +296,12 @@ def calibrate_cmd(
     from sim.config.calibration import save_profile
     from sim.config.hardware import resolve_hardware
     from sim.results import check_out_free
-    from validate.calibrate import calibrate_measured, leave_one_scenario_out, load_measured
+    from validate.calibrate import (
+        calibrate_measured,
+        leave_one_scenario_out,
+        load_measured,
+        scenario_groups,
+    )
 
     try:
         if bool(runs) == (vidur is not None):
@@ -320,6 +329,8 @@ def calibrate_cmd(
             notes = vidur_warnings(profile, gpu)
         else:
             measured = load_measured(runs or [])
+            if leave_one_out:
+                scenario_groups(measured)  # before the fit: two scenarios at least
             profile = calibrate_measured(measured, runs or [])
             if leave_one_out:
                 with console.status("fitting once per held-out scenario ..."):

@@ -66,8 +66,9 @@ def fit_cost_params(
     an idle engine; without it no step did and ``idle_wakeup_s`` comes out 0.
     ``since_prefill`` (one per step, from :func:`steps_since_prefill` on each run) places the
     decode steps after a prefill; without it ``post_prefill_decode_s`` comes out 0.
-    ``loss="median"`` fits the median step instead of the mean (see :func:`_median_fit`):
-    what calibration on a noisy machine wants, whose step times have a long right tail.
+    ``loss="median"`` prices each batch shape at its median step instead (see
+    :func:`_median_fit`; relative by construction, so ``relative`` does not apply): what
+    calibration on a noisy machine wants, whose step times spread +-20% and more.
 
     Regresses duration minus the all-reduce transfer time on the features of
     :data:`FITTED_TERMS`; efficiencies are the inverse coefficients. The additive form
@@ -140,7 +141,7 @@ def fit_cost_params(
 # Median fit: residuals below this share of the prediction count as this share (IRLS floor).
 _MEDIAN_FLOOR = 1e-3
 _MEDIAN_MAX_ROUNDS = 100
-_MEDIAN_TOLERANCE = 1e-7
+_MEDIAN_TOLERANCE = 1e-6
 
 
 def _median_fit(
@@ -150,25 +151,32 @@ def _median_fit(
     weights: np.ndarray,
     start: np.ndarray,
 ) -> np.ndarray:
-    """Non-negative coefficients minimising ``sum(weights * |measured - predicted| /
-    predicted)``, by iteratively reweighted least squares from ``start``.
+    """Non-negative coefficients that price the steps at their median, by iteratively
+    reweighted least squares from ``start``.
 
     Predicted is ``x @ coefficients + offset_s`` (the all-reduce transfer), measured is
-    ``target_s + offset_s``. At the optimum, steps of one batch shape are priced at their
-    median, as |log measured - log predicted| would price them, where a squared loss prices
+    ``target_s + offset_s``. Each round solves the weighted least squares whose weights
+    ``weights / (predicted * |measured - predicted|)`` come from the round before; its fixed
+    point is the weighted least-absolute-deviation fit with weights ``weights / predicted``
+    taken at the solution: ``sum(weights * sign(measured - predicted) * feature / predicted)
+    = 0`` for every fitted term. Steps of one batch shape are then priced at their median,
+    as ``|log measured - log predicted|`` would price them, where a squared loss prices
     them at a mean that a few slow steps pull up, and a squared loss relative to the
-    measured time at one that the fast steps pull down (measured on vLLM-CPU: ~4% below
-    the median decode step, which is what ITL p50 reads).
+    measured time at one that the fast steps pull down (on vLLM-CPU: ~4% below the median
+    decode step, which is what ITL p50 reads). Residuals below ``_MEDIAN_FLOOR`` of the
+    prediction count as that (the usual IRLS floor). Stops when no step's prediction moves
+    by more than ``_MEDIAN_TOLERANCE`` of itself, or after ``_MEDIAN_MAX_ROUNDS`` rounds.
     """
     coefficients = start
+    predicted_s = np.maximum(x @ coefficients + offset_s, 1e-12)
     for _ in range(_MEDIAN_MAX_ROUNDS):
-        predicted_s = np.maximum(x @ coefficients + offset_s, 1e-12)
-        residual_s = np.abs(target_s - x @ coefficients)
+        residual_s = np.abs(target_s + offset_s - predicted_s)
         scale = predicted_s * np.maximum(residual_s, _MEDIAN_FLOOR * predicted_s)
         row_weights = np.sqrt(weights / scale)
-        new = _nnls(x * row_weights[:, None], target_s * row_weights)
-        change = np.abs(new - coefficients).max() / max(np.abs(coefficients).max(), 1e-300)
-        coefficients = new
+        coefficients = _nnls(x * row_weights[:, None], target_s * row_weights)
+        new_predicted_s = np.maximum(x @ coefficients + offset_s, 1e-12)
+        change = float(np.max(np.abs(new_predicted_s - predicted_s) / predicted_s))
+        predicted_s = new_predicted_s
         if change < _MEDIAN_TOLERANCE:
             break
     return coefficients

@@ -239,7 +239,11 @@ def _cpu_map(block_map: BlockMap, index: int) -> None:
 
 
 def _band(path: Path) -> None:
-    band = read_band(path)
+    try:
+        band = read_band(path)
+    except ValueError as exc:  # an optional file: the rest of the run still shows
+        st.warning(str(exc))
+        return
     if band is None:
         return
     table, num_samples = band

@@ -188,7 +188,8 @@ def test_run_explorer_shows_the_uncertainty_band(runs_env: Path, tmp_path: Path)
     run = tmp_path / "sampled"
     shutil.copytree(runs_env / "coding-small", run)
     summary = json.loads((run / "summary.json").read_text())
-    record = band_records(band_rows(summary, [summary, summary, summary]), [0.9, 1.0, 1.1])
+    three = [summary, summary, summary]
+    record = band_records(band_rows(summary, three), [0.9, 1.0, 1.1], three)
     (run / SAMPLES).write_text(json.dumps(record))
     at = open_page(start_app(), "run_explorer")
     at.text_input(key="ex-path").set_value(str(run)).run()
@@ -201,4 +202,5 @@ def test_run_explorer_shows_the_uncertainty_band(runs_env: Path, tmp_path: Path)
     assert list(band.value.columns) == ["metric", "this run", "median", "p10", "p90"]
     (run / SAMPLES).write_text("{not json")
     at.text_input(key="ex-path").set_value(str(run) + "/").run()
-    assert any("cannot read the uncertainty band" in e for e in texts(at.error))
+    assert any("cannot read the uncertainty band" in w for w in texts(at.warning))
+    assert not at.error and "HBM block map" in texts(at.subheader)  # the rest still shows

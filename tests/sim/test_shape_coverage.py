@@ -33,6 +33,15 @@ def test_cells_are_log2_buckets_of_batch_and_context() -> None:
     # A prefill chunk's context is read back from its attention pairs.
     assert shape_cell(prefill(512, 0)) == (1, 10, 0, 0)
     assert shape_cell(prefill(300, 2000, num_decodes=3)) == (1, 9, 11, 2)
+    # Several chunks: the mean context before one (four fresh prompts: 0, not 192).
+    four = BatchShape(
+        num_prefill_tokens=512, num_prefill_reqs=4, prefill_attention_pairs=4 * 128 * 64
+    )
+    assert shape_cell(four) == (1, 10, 0, 0)
+    two = BatchShape(
+        num_prefill_tokens=200, num_prefill_reqs=2, prefill_attention_pairs=2 * 100 * (1500 + 50)
+    )
+    assert shape_cell(two) == (1, 8, 11, 0)
     assert describe_cell((0, 5, 11, 0)) == (
         "decode-only steps of 16-31 requests at 1,024-2,047 tokens of context each"
     )
@@ -55,3 +64,13 @@ def test_coverage_counts_steps_in_cells_with_enough_fitted_steps() -> None:
     assert "decode-only steps of 64-127 requests at 4,096-8,191 tokens" in warning
     assert shape_coverage(run[:8], cells).warning() is None
     assert shape_coverage([], cells).fraction == 1.0
+
+
+def test_a_cell_between_two_fitted_cells_on_one_axis_is_inside() -> None:
+    fitted = [shape_cell(decode(4, 600)), shape_cell(decode(16, 600)), shape_cell(decode(4, 3000))]
+    between = decode(8, 600)  # 8-15 requests, between 4-7 and 16-31 at the same context
+    beyond = decode(32, 600)  # past the largest fitted batch: extrapolated
+    diagonal = decode(8, 1500)  # between on no single axis
+    coverage = shape_coverage([between, beyond, diagonal, decode(4, 1500)], fitted)
+    assert coverage.num_covered == 2  # the in-between batch, and 4-7 between two contexts
+    assert {cell for cell, _ in coverage.uncovered} == {shape_cell(beyond), shape_cell(diagonal)}

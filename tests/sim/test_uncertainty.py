@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from sim import uncertainty
 from sim.cli import app
 from sim.config.calibration import save_profile
 from sim.config.hardware import HARDWARE_PRESETS
@@ -18,11 +19,12 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.scheduler.output import BatchShape
 from sim.uncertainty import (
     SAMPLES,
+    band_records,
     band_rows,
     run_samples,
-    sample_profiles,
-    scaled_params,
+    sample_factors,
     speed_factors,
+    truncation_warning,
 )
 from tests.profiles import profile_with
 
@@ -49,27 +51,31 @@ def test_speed_factors_are_stratified_quantiles_of_the_runs() -> None:
         speed_factors(RATIOS, 0)
 
 
-def test_scaled_params_scale_every_step_time_term() -> None:
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_step_time_scale_scales_every_step_but_not_pcie_copies(tp: int) -> None:
     model, hardware = MODEL_PRESETS["Llama-3.1-8B"], HARDWARE_PRESETS["H100-SXM-80GB"]
-    base = CostModel(model, hardware, 1, FITTED)
-    slow = CostModel(model, hardware, 1, scaled_params(FITTED, 1.25))
+    base = CostModel(model, hardware, tp, FITTED)
+    slow = CostModel(model, hardware, tp, FITTED, step_time_scale=1.25)
     shapes = [
         BatchShape(num_decode_reqs=3, decode_context_tokens=3000),
         BatchShape(num_prefill_tokens=400, num_prefill_reqs=1, prefill_attention_pairs=9e4),
     ]
     for shape in shapes:
+        assert base.allreduce_time_s(shape) > 0 or tp == 1  # TP pays its all-reduces
         for idle, since in ((False, 0), (True, 0), (False, 3)):
             assert slow.step_time_s(shape, idle, since) == pytest.approx(
                 1.25 * base.step_time_s(shape, idle, since), rel=1e-12
             )
-    assert scaled_params(FITTED, 1.25).kv_transfer_efficiency == FITTED.kv_transfer_efficiency
+    assert slow.kv_transfer_time_s(10, 1 << 20) == base.kv_transfer_time_s(10, 1 << 20)
+    with pytest.raises(ValueError, match="step_time_scale=0"):
+        CostModel(model, hardware, tp, FITTED, step_time_scale=0)
 
 
 def test_samples_need_a_profile_fitted_on_measured_runs() -> None:
     with pytest.raises(KvsimConfigError, match="pass --calibration"):
-        sample_profiles(None, 3)
+        sample_factors(None, 3)
     with pytest.raises(KvsimConfigError, match="no measured run spread"):
-        sample_profiles(profile_with(FITTED), 3)
+        sample_factors(profile_with(FITTED), 3)
 
 
 def test_samples_are_deterministic_and_ordered_by_speed() -> None:
@@ -117,3 +123,30 @@ def test_cli_run_samples_writes_the_band(tmp_path: Path) -> None:
     )
     assert refused.exit_code == 2 and "no measured run spread" in refused.output
     assert not (tmp_path / "x").exists()
+
+
+def test_samples_run_in_this_process_when_workers_cannot_start(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    spec = load_scenario(SCENARIO, ["workload.sessions=3"])
+    expected = run_samples(spec, PROFILE, 2, workers=1)
+
+    def no_pool(*args: object, **kwargs: object) -> None:
+        raise OSError("[Errno 38] Function not implemented: sem_open")
+
+    monkeypatch.setattr(uncertainty, "ProcessPoolExecutor", no_pool)
+    assert run_samples(spec, PROFILE, 2, workers=2) == expected
+
+
+def test_a_sample_cut_at_the_time_limit_is_flagged() -> None:
+    done = {"truncated_at_limit": False, "metrics": {}}
+    cut = {"truncated_at_limit": True, "metrics": {}}
+    assert truncation_warning(done, [done, done]) is None
+    warning = truncation_warning(done, [done, cut])
+    assert warning is not None and "1 of 2 samples hit limits.max_duration_s" in warning
+    assert truncation_warning(cut, [cut, cut]) is None  # the run says so itself
+    record = band_records(band_rows(done, [done, cut]), [0.9, 1.1], [done, cut])
+    assert record["truncated_samples"] == [1]
+    # A metric a sample lacks: no band, and the sample's value stays in its place.
+    assert record["metrics"][0]["samples"] == [None, None]
+    assert record["metrics"][0]["low"] is None

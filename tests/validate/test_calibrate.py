@@ -124,6 +124,10 @@ def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) 
     assert out.exists()
     rows = [line for line in result.output.splitlines() if "cal-" in line]
     assert len(rows) == 2 and "held-out ratio" in result.output
+    one = tmp_path / "one.json"
+    alone = CliRunner().invoke(app, ["calibrate", runs[0], "-o", str(one), "--leave-one-out"])
+    assert alone.exit_code == 2 and "at least two scenarios" in " ".join(alone.output.split())
+    assert not one.exists()  # refused before fitting, nothing written
     vidur = ["--vidur", str(tmp_path), "--leave-one-out"]
     refused = CliRunner().invoke(app, ["calibrate", *vidur, "-o", str(tmp_path / "p.json")])
     assert refused.exit_code == 2

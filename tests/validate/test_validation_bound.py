@@ -54,11 +54,14 @@ def test_calibrate_then_validate_against_vllm_on_this_machine(tmp_path: Path) ->
         tmp_path / "suite",
         rounds=DEFAULT_ROUNDS,
         max_duration_s=REPLAY_BUDGET_S,
+        samples=BAND_SAMPLES,
     )
     report = result.reports[scenario.name]
     REPORT.update(report.to_json(), fit=result.profile.fit, rounds=result.rounds)
     assert result.profile.fit["r2"] > 0.8, result.profile.fit
-    assert not report.warnings, report.warnings  # calibrated at the validated token budget
+    # Calibrated at the validated token budget, on the batch shapes the scenario runs (at
+    # least 90% of its steps: sim.shape_coverage), or the check would test extrapolation.
+    assert not report.warnings, report.warnings
     sim = result.sim_runs[scenario.name]
     for real in result.real_runs[scenario.name]:
         assert real.summary["complete"], real.summary.get("error")
