@@ -9,15 +9,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sim.console import console, err_console, fail
+from sim.console import console, count_progress, err_console, fail
 from sim.errors import KvsimConfigError
 
 app = typer.Typer(
@@ -141,15 +135,7 @@ def run(
         band_warning = None
         writers = []
         if samples:
-            with Progress(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TimeElapsedColumn(),
-                console=err_console,
-                disable=quiet or not err_console.is_terminal,
-                transient=True,
-            ) as bar:
+            with count_progress(quiet, transient=True) as bar:
                 task = bar.add_task("sampling step speeds", total=samples)
                 factors, summaries = run_samples(
                     spec,

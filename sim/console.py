@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console()
 err_console = Console(stderr=True)
@@ -13,3 +14,17 @@ def fail(message: str) -> typer.Exit:
     """Print one paragraph to stderr and return the exit to raise (status 2)."""
     err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
     return typer.Exit(code=2)
+
+
+def count_progress(quiet: bool, transient: bool = False) -> Progress:
+    """A bar of tasks done / total with the elapsed time, on stderr; off when ``quiet`` or
+    stderr is not a terminal."""
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err_console,
+        disable=quiet or not err_console.is_terminal,
+        transient=transient,
+    )

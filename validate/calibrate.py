@@ -53,17 +53,8 @@ def step_time_ratio(run: RunData, scenario: Scenario, params: CostParams) -> flo
     ~8% above kvsim's however exact the scheduling, and on a shared machine one process can
     run up to ~20% slower than the next.
     """
-    shapes, durations_s, after_idle = step_shapes(run)
-    cost = CostModel(
-        scenario.model, scenario.hardware, scenario.engine.tensor_parallel_size, params
-    )
-    since = steps_since_prefill(shapes)
-    ratios = []
-    for shape, measured_s, idle, n in zip(shapes, durations_s, after_idle, since, strict=True):
-        predicted_s = cost.step_time_s(shape, idle, n)
-        if predicted_s > 0:
-            ratios.append(measured_s / predicted_s)
-    return float(np.median(ratios)) if ratios else None
+    ratios = step_ratios(MeasuredRun.of(run, scenario), params)
+    return float(np.median(ratios)) if len(ratios) else None
 
 
 def robust_fit(
@@ -138,6 +129,11 @@ class MeasuredRun:
     after_idle: list[bool]
     since_prefill: list[int]
 
+    @classmethod
+    def of(cls, run: RunData, scenario: Scenario) -> MeasuredRun:
+        shapes, durations_s, after_idle = step_shapes(run)
+        return cls(run, scenario, shapes, durations_s, after_idle, steps_since_prefill(shapes))
+
 
 def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
     """The measured runs of ``run_dirs``; refuses simulated runs and runs that mix models,
@@ -160,12 +156,7 @@ def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
             f"runs mix models {sorted(models)}, devices {sorted(map(str, devices))} or "
             f"tensor_parallel_size {sorted(tps)}; a profile describes one of each"
         )
-    measured = []
-    for run, scenario in zip(runs, scenarios, strict=True):
-        shapes, durations_s, after_idle = step_shapes(run)
-        since = steps_since_prefill(shapes)
-        measured.append(MeasuredRun(run, scenario, shapes, durations_s, after_idle, since))
-    return measured
+    return [MeasuredRun.of(run, scenario) for run, scenario in zip(runs, scenarios, strict=True)]
 
 
 def fit_measured(measured: Sequence[MeasuredRun]) -> tuple[CostParams, dict[str, float]]:

@@ -6,15 +6,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
 
-from sim.console import console, err_console, fail
+from sim.console import console, count_progress, err_console, fail
 from sim.errors import KvsimConfigError
 
 report_app = typer.Typer(
@@ -50,14 +43,7 @@ def claims(
         if not out.parent.is_dir():
             raise KvsimConfigError(f"--out {out}: the folder {out.parent} does not exist")
         check_png_export(out.parent)
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            console=err_console,
-            disable=quiet or not err_console.is_terminal,
-        ) as bar:
+        with count_progress(quiet) as bar:
             task = bar.add_task("claims", total=None)
 
             def phase(name: str, num_tasks: int) -> None:
