@@ -1,0 +1,99 @@
+"""The validation and calibration scenarios for KV pressure run the regime they are named
+after (simulated here, priced by known parameters; their replays on vLLM run in the
+validation suite, ``benchmarks/bench_validation.py``)."""
+
+from __future__ import annotations
+
+import pandas as pd
+import pytest
+
+from sim.runner import SimulationResult, simulate
+from sim.scenario import SCENARIO_DIR, load_scenario
+from tests.profiles import profile_with
+from tests.validate.fake_vllm import TRUTH
+
+VALIDATION = SCENARIO_DIR / "validation"
+CALIBRATION = SCENARIO_DIR / "calibration"
+
+
+def run(path: str) -> SimulationResult:
+    profile = profile_with(TRUTH, hardware="cpu", model="tiny-llama", vllm_version="0.32.0")
+    return simulate(load_scenario(SCENARIO_DIR / path), profile)
+
+
+def preempted(requests: pd.DataFrame) -> pd.DataFrame:
+    return requests[requests["num_preemptions"] > 0]
+
+
+def test_agents_under_kv_pressure_are_preempted_inside_their_loops() -> None:
+    result = run("validation/agents-kv-pressure.yaml")
+    requests = result.requests
+    assert (requests["finish_s"].notna()).all()
+    hit = preempted(requests)
+    assert len(hit) >= 5
+    # Preemption lands inside the closed loops: on turns that are not their session's last,
+    # so the session's next turn waited on the recompute.
+    last_turn = requests.groupby("session_id")["turn"].max()
+    assert (hit["turn"] < hit["session_id"].map(last_turn)).any()
+
+
+def test_priority_preemption_takes_background_work_first() -> None:
+    result = run("validation/priority-preemption.yaml")
+    requests = result.requests
+    hit = preempted(requests)
+    assert len(hit) >= 3
+    by_class = hit["priority_class"].value_counts()
+    assert by_class.get("background", 0) > by_class.get("interactive", 0)
+    ttft = (
+        (requests["first_token_s"] - requests["arrival_s"])
+        .groupby(requests["priority_class"])
+        .median()
+    )
+    assert ttft["interactive"] < ttft["background"]
+
+
+def test_long_prompts_compute_in_chunks_under_the_threshold() -> None:
+    scenario = load_scenario(VALIDATION / "long-prompts-chunked.yaml")
+    threshold = scenario.engine.long_prefill_token_threshold
+    assert threshold and threshold < scenario.engine.max_num_batched_tokens
+    result = run("validation/long-prompts-chunked.yaml")
+    steps = result.steps
+    with_prefill = steps[steps["num_prefill_tokens"] > 0]
+    # No prefill request computes more than the threshold in one step, unless it is alone
+    # in the engine (vLLM lifts the cap then: nobody else to starve)...
+    shared = with_prefill[
+        with_prefill["num_requests_running"] + with_prefill["num_requests_waiting"] > 1
+    ]
+    assert len(shared) > len(with_prefill) // 2
+    capped = threshold * shared["num_prefill_reqs"]
+    assert (shared["num_prefill_tokens"] <= capped).all()
+    # ... so prompts take several steps, beside running decodes.
+    assert (result.requests["prompt_tokens"] > 4 * threshold).sum() >= 10
+    assert (with_prefill["num_decode_tokens"] > 0).sum() > len(result.requests)
+    assert result.summary["num_finished"] == result.summary["num_requests"]
+
+
+def test_the_kv_pressure_calibration_runs_large_batches_near_a_full_pool_and_recomputes() -> None:
+    result = run("calibration/kv-pressure.yaml")
+    steps = result.steps
+    assert len(preempted(result.requests)) >= 5
+    assert steps["num_preemptions"].sum() >= 5
+    full = steps[steps["kv_cache_usage_perc"] > 0.9]
+    assert (full["num_decode_tokens"] >= 8).sum() >= 100
+
+
+@pytest.mark.parametrize("kind", ["calibration", "validation"])
+def test_scenario_names_and_seeds_are_distinct(kind: str) -> None:
+    """Calibration never replays a validation workload: names and seeds differ across both
+    sets."""
+    scenarios = [load_scenario(p) for p in sorted((SCENARIO_DIR / kind).glob("*.yaml"))]
+    others = [
+        load_scenario(p)
+        for other in ("calibration", "validation")
+        if other != kind
+        for p in sorted((SCENARIO_DIR / other).glob("*.yaml"))
+    ]
+    names = [s.name for s in scenarios + others]
+    seeds = [s.seed for s in scenarios + others]
+    assert len(set(names)) == len(names)
+    assert len(set(seeds)) == len(seeds)
