@@ -128,9 +128,12 @@ def main() -> int:
     if tuned is not None and grid_best is not None:
         verdict = "reaches" if tuned >= grid_best else "does not reach"
         console.print(
-            f"the tuner's best ({tuned:.4g}) {verdict} the grid's best ({grid_best:.4g}) with "
-            f"{result.simulations} simulations against the grid's {len(compared)}"
+            f"the tuner's best ({tuned:.7g}) {verdict} the grid's best ({grid_best:.7g}; "
+            f"{100 * (tuned / grid_best - 1):+.4f}%) with {result.simulations} simulations "
+            f"against the grid's {len(compared)}"
         )
+        if result.best is not None:
+            console.print(f"the tuner's best config: {result.best.params}")
     elif grid_best is None:
         console.print("no point of the comparison grid meets every SLO: choose a lighter "
                       "--compare-set")  # fmt: skip

@@ -264,15 +264,16 @@ def read_band(path: Path) -> tuple[pd.DataFrame, int] | None:
     if not file.is_file():
         return None
     try:
-        record = json.loads(file.read_text())
-        rows = [
-            (
-                m["metric"],
-                *(format_value(m[k], m["unit"]) for k in ("point", "median", "low", "high")),
-            )
-            for m in record["metrics"]
-        ]
-        num_samples = len(record["speed_factors"])
+        return band_frame(json.loads(file.read_text()))
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ValueError(f"{file}: cannot read the uncertainty band ({exc})") from None
-    return pd.DataFrame(rows, columns=list(BAND_COLUMNS)), num_samples
+
+
+def band_frame(record: dict[str, Any]) -> tuple[pd.DataFrame, int]:
+    """A band record (``sim.uncertainty.band_records``, what ``samples.json`` holds) as a
+    table of formatted values, and its number of samples."""
+    rows = [
+        (m["metric"], *(format_value(m[k], m["unit"]) for k in ("point", "median", "low", "high")))
+        for m in record["metrics"]
+    ]
+    return pd.DataFrame(rows, columns=list(BAND_COLUMNS)), len(record["speed_factors"])

@@ -146,7 +146,8 @@ def run(
                 )
             band = band_rows(result.summary, summaries)
             band_warning = truncation_warning(result.summary, summaries)
-            record = band_records(band, factors, summaries)
+            jittered = bool(profile is not None and profile.step_residual_quantiles)
+            record = band_records(band, factors, summaries, step_jitter=jittered)
             writers.append(lambda d: (d / SAMPLES).write_text(json.dumps(record, indent=2) + "\n"))
         result.write(out_dir, writers)
     except (KvsimConfigError, FileExistsError, ValueError) as exc:

@@ -35,7 +35,7 @@ the forward pass of the same step. What-if runs take no stretches.
 from __future__ import annotations
 
 import math
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from typing import Any, Protocol
 
 import simpy
@@ -79,10 +79,14 @@ class Engine(SinkBase):
         cost_model: StepCost,
         recorder: Recorder,
         fast: bool = True,
+        jitter: Callable[[int], float] | None = None,
     ) -> None:
+        """``jitter(k)``, when given, multiplies the model time of step ``k`` (the
+        scheduler's step counter; sim/step_jitter.py)."""
         super().__init__(env, scheduler.config.block_size, scheduler.max_model_len)
         self.scheduler = scheduler
         self.cost_model = cost_model
+        self.jitter = jitter
         self.recorder = recorder
         # A what-if memory policy changes what a stretch may assume: step by step only.
         self.fast = fast and not scheduler.config.what_if_policies()
@@ -128,6 +132,7 @@ class Engine(SinkBase):
         recorder = self.recorder
         done = self._done
         fast = self.fast
+        jitter = self.jitter
         offloader = scheduler.offloader  # CPU offload tier only
         after_idle = True  # the first step wakes the engine up
         since_prefill = -1  # steps past the last prefill step; -1 before the first one
@@ -183,6 +188,8 @@ class Engine(SinkBase):
             elif since_prefill >= 0:
                 since_prefill += 1
             duration_s = step_time_s(output.shape, after_idle, since_prefill)
+            if jitter is not None:
+                duration_s *= jitter(output.step)
             swap = output.swap
             if swap is not None and swap.num_blocks_moved:
                 swap.transfer_s = self.cost_model.kv_transfer_time_s(
@@ -292,6 +299,7 @@ class Engine(SinkBase):
         next_event_s = env.peek()
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
+        jitter = self.jitter
         decode_context0 = 0
         for request in decoders:
             decode_context0 += request.num_computed_tokens
@@ -318,6 +326,8 @@ class Engine(SinkBase):
             elif step_since_prefill >= 0:
                 step_since_prefill += 1
             duration_s = step_time_s(shape, False, step_since_prefill)
+            if jitter is not None:
+                duration_s *= jitter(first_step + num_steps)
             end_s = now_s + duration_s
             if end_s > horizon_s:
                 break

@@ -471,7 +471,8 @@ def tune_cmd(
                 what = f"infeasible: {t.error or 'misses an SLO'}"
             else:
                 what = f"not run: {t.error}"
-            err_console.print(f"  trial {t.number}: {what}", highlight=False)
+            which = " (the scenario's own config)" if t.baseline else ""
+            err_console.print(f"  trial {t.number}{which}: {what}", highlight=False)
 
         result = tune(
             spec,

@@ -30,11 +30,15 @@ from sim.recorder import Recorder
 from sim.results import write_run
 from sim.scenario import Scenario, scenario_to_yaml
 from sim.scheduler.scheduler import Scheduler
+from sim.step_jitter import JitterSpec
 from sim.summary import build_summary
 from sim.workload import build_workload
 
 # Simulated seconds between progress callbacks (and chances to stop).
 PROGRESS_INTERVAL_S = 5.0
+# Profile fields describing the calibration runs, not the pricing: left out of a run's
+# summary.json (shape_cells are hundreds; the others are what --samples draws from).
+MEASURED_SPREAD = {"shape_cells", "run_step_ratios", "step_residual_quantiles"}
 
 ProgressFn = Callable[[float, int, int | None], None]
 
@@ -82,6 +86,7 @@ def _build_replica(
     exact_reference: bool,
     block_map: BlockMapRecorder | None,
     kv_waste: bool = False,
+    step_jitter: JitterSpec | None = None,
 ) -> Replica:
     """One engine on the run's clock (a fleet has several; they share the cost model, which
     holds no state)."""
@@ -94,7 +99,10 @@ def _build_replica(
         scheduler.kv_cache_manager.enable_retention(engine_cfg.kv_retention, lambda: env.now)
     recorder = Recorder(engine_cfg.block_size, block_map)
     # Waste is sampled in Scheduler.schedule, which stretches skip.
-    engine = Engine(env, scheduler, cost_model, recorder, fast=not exact_reference and not waste)
+    jitter = step_jitter.for_engine(scenario.seed, index) if step_jitter is not None else None
+    engine = Engine(
+        env, scheduler, cost_model, recorder, fast=not exact_reference and not waste, jitter=jitter
+    )
     return Replica(index, engine)
 
 
@@ -105,6 +113,7 @@ def simulate(
     exact_reference: bool = False,
     kv_waste: bool = False,
     step_time_scale: float = 1.0,
+    step_jitter: JitterSpec | None = None,
 ) -> SimulationResult:
     """Run the scenario to completion (or to its time limit) and summarise it.
 
@@ -114,7 +123,8 @@ def simulate(
     reference the fast path is tested against; results are identical, only slower.
     ``kv_waste`` adds the KV waste breakdown of the paged allocator to the summary (always
     there for a contiguous one; see ``sim.kv.waste``). ``step_time_scale`` multiplies every
-    step time (an engine process slower or faster than the profile: ``kvsim run --samples``).
+    step time (an engine process slower or faster than the profile: ``kvsim run --samples``);
+    ``step_jitter`` also multiplies each step's by its own draw (sim/step_jitter.py).
     """
     sizing = size_for(scenario)
     engine_cfg = scenario.engine
@@ -138,6 +148,7 @@ def simulate(
             exact_reference,
             None if index else block_map,
             kv_waste,
+            step_jitter,
         )
         for index in range(fleet.replicas if fleet is not None else 1)
     ]
@@ -189,10 +200,10 @@ def simulate(
         "hardware": scenario.hardware.name,
         # The profile that priced the steps, less what describes its calibration runs rather
         # than the pricing: the fitted shape cells (hundreds; kvsim run prints the run's
-        # coverage instead) and each run's speed (what --samples draws from).
+        # coverage instead) and each run's and step's speed (what --samples draws from).
         "calibration": None
         if calibration is None
-        else calibration.model_dump(mode="json", exclude={"shape_cells", "run_step_ratios"}),
+        else calibration.model_dump(mode="json", exclude=MEASURED_SPREAD),
     }
     summary = build_summary(
         provenance,

@@ -17,6 +17,13 @@ With ``memory_policies`` the search also picks a memory policy per trial
 wanted, the what-ifs vLLM 0.32 lacks (swap preemption, KV retention during tool waits). A
 size the hardware's host memory cannot hold is refused like any other invalid config.
 
+Trial 0 is the scenario's own engine config (its value of every searched knob, added to the
+search space where the space lacks it; with ``memory_policies``, on vLLM's own engine): the
+search starts from what the user runs today, and its result is never worse than that when
+that config is feasible. TPE then samples at random for its first trials (a third of the
+budget, at most Optuna's default of 10: a budget of 15 leaves 10 guided trials instead of 5)
+and from its model of the good trials after that.
+
 A trial is feasible when every request finished and every SLO held (for ``max-sessions``:
 when some load held); Optuna's TPE sampler gets that as its constraint, so it learns where
 the feasible region is. The report carries every trial, the best feasible config and the
@@ -81,6 +88,7 @@ class Trial:
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     simulations: int = 0
+    baseline: bool = False  # the scenario's own engine config (trial 0)
 
 
 @dataclass
@@ -165,9 +173,18 @@ def tune(
     space = dict(SPACE)
     if objective != "cost-per-million-tokens":  # more GPUs always win the other two
         space["tensor_parallel_size"] = (scenario.engine.tensor_parallel_size,)
+    baseline = baseline_params(scenario, memory_policies)
+    space = {name: _with(values, baseline[name]) for name, values in space.items()}
+    util = baseline["gpu_memory_utilization"]
+    util_low, util_high = min(GPU_MEMORY_UTILIZATION[0], util), max(GPU_MEMORY_UTILIZATION[1], util)
+    # Steps of 0.01, unless the scenario's own value lies between them.
+    util_step = 0.01 if round(util, 2) == util else None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    sampler = optuna.samplers.TPESampler(seed=scenario.seed if seed is None else seed)
+    sampler = optuna.samplers.TPESampler(
+        seed=scenario.seed if seed is None else seed, n_startup_trials=startup_trials(budget)
+    )
     study = optuna.create_study(direction="minimize" if minimize else "maximize", sampler=sampler)
+    study.enqueue_trial(baseline)
     base = scenario.model_dump(mode="json")
     trials: list[Trial] = []
     for _ in range(budget):
@@ -175,14 +192,14 @@ def tune(
         params: dict[str, Any] = {
             name: ask.suggest_categorical(name, list(values)) for name, values in space.items()
         }
-        params["gpu_memory_utilization"] = round(
-            ask.suggest_float("gpu_memory_utilization", *GPU_MEMORY_UTILIZATION, step=0.01), 2
-        )
+        value = ask.suggest_float("gpu_memory_utilization", util_low, util_high, step=util_step)
+        params["gpu_memory_utilization"] = value if value == util else round(value, 2)
         policy = None
         if memory_policies is not None:
             policy, fields = _suggest_memory_policy(ask, memory_policies)
             params |= fields
         trial = Trial(ask.number, params, "invalid", None, policy=policy)
+        trial.baseline = ask.number == 0
         document = {**base, "engine": trial_engine(base["engine"], trial)}
         try:
             spec = parse_scenario(document, f"{scenario.name} trial {ask.number}")
@@ -205,6 +222,29 @@ def tune(
     best = min(ok, key=lambda t: (sign * t.objective, t.number)) if ok else None
     direction = "minimize" if minimize else "maximize"
     return TuneResult(objective, direction, trials, best, pareto_front(trials))
+
+
+def startup_trials(budget: int) -> int:
+    """How many trials TPE samples at random before it models the good ones: a third of the
+    budget, at least 1 and at most Optuna's default of 10 (with 10 random trials of 15, the
+    search would be mostly random)."""
+    return min(10, max(1, budget // 3))
+
+
+def baseline_params(scenario: Scenario, memory_policies: str | None = None) -> dict[str, Any]:
+    """The scenario's own value of every searched knob: the first trial (as Optuna
+    parameters; with ``memory_policies``, vLLM's own engine)."""
+    engine = scenario.engine
+    params: dict[str, Any] = {name: getattr(engine, name) for name in SPACE}
+    params["gpu_memory_utilization"] = engine.gpu_memory_utilization
+    if memory_policies is not None:
+        params["memory_policy"] = "vllm"
+    return params
+
+
+def _with(values: tuple[Any, ...], value: Any) -> tuple[Any, ...]:
+    """A knob's choices, with the scenario's own value added (in order) when they lack it."""
+    return values if value in values else tuple(sorted((*values, value)))
 
 
 def _suggest_memory_policy(ask: Any, which: str) -> tuple[str, dict[str, Any]]:

@@ -9,11 +9,11 @@ measured / fitted time (``CalibrationProfile.run_step_ratios``). ``kvsim run --s
 simulates the scenario N times, sample ``i`` with every step time multiplied by the
 ``(i + 0.5) / N`` quantile of those ratios (``CostModel``'s ``step_time_scale``; swap and
 offload copies keep their speed; a stratified draw: a stable band from a few samples), and
-with ``vary_seed`` also with workload seed ``seed + i``. Each sample is a whole run of the
-same engine, so the band costs N runs, spread over worker processes.
-
-Not modelled: step-to-step jitter within one process (a step's own residual), which moves the
-p99 latencies more than the medians.
+with ``vary_seed`` also with workload seed ``seed + i``. Where the profile records the
+step-to-step spread within a process (``step_residual_quantiles``), each step of sample ``i``
+is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``): that moves
+the p99 latencies more than the medians. Each sample is a whole run of the same engine, so
+the band costs N runs, spread over worker processes.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from sim.config.calibration import CalibrationProfile
 from sim.errors import KvsimConfigError
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
+from sim.step_jitter import JitterSpec
 
 # The band, in the run directory of kvsim run --samples.
 SAMPLES = "samples.json"
@@ -128,12 +129,17 @@ def truncation_warning(point: dict[str, Any], summaries: Sequence[dict[str, Any]
 
 
 def band_records(
-    rows: Sequence[BandRow], factors: Sequence[float], summaries: Sequence[dict[str, Any]]
+    rows: Sequence[BandRow],
+    factors: Sequence[float],
+    summaries: Sequence[dict[str, Any]],
+    step_jitter: bool = False,
 ) -> dict[str, Any]:
-    """JSON-ready band (``samples.json`` of a run directory)."""
+    """JSON-ready band (``samples.json`` of a run directory); ``step_jitter``: whether the
+    samples drew step-to-step jitter too."""
     return {
         "percentiles": list(BAND_PERCENTILES),
         "speed_factors": list(factors),
+        "step_jitter": step_jitter,
         "truncated_samples": truncated_samples(summaries),
         "metrics": [
             {
@@ -150,12 +156,18 @@ def band_records(
     }
 
 
+def jitter_spec(profile: CalibrationProfile, sample: int) -> JitterSpec | None:
+    """The step jitter of sample ``sample``, None when the profile records no step spread."""
+    quantiles = profile.step_residual_quantiles
+    return JitterSpec(tuple(quantiles), sample) if quantiles else None
+
+
 def _simulate_summary(
-    scenario: Scenario, profile: CalibrationProfile, scale: float
+    scenario: Scenario, profile: CalibrationProfile, scale: float, jitter: JitterSpec | None
 ) -> dict[str, Any]:
     from sim.runner import simulate
 
-    return simulate(scenario, profile, step_time_scale=scale).summary
+    return simulate(scenario, profile, step_time_scale=scale, step_jitter=jitter).summary
 
 
 def run_samples(
@@ -173,7 +185,11 @@ def run_samples(
     factors = sample_factors(profile, num_samples)
     assert profile is not None
     jobs = [
-        (scenario.model_copy(update={"seed": scenario.seed + i}) if vary_seed else scenario, f)
+        (
+            scenario.model_copy(update={"seed": scenario.seed + i}) if vary_seed else scenario,
+            f,
+            jitter_spec(profile, i),
+        )
         for i, f in enumerate(factors)
     ]
     workers = min(workers or os.cpu_count() or 1, len(jobs))
@@ -187,13 +203,15 @@ def run_samples(
     if workers > 1:
         try:
             with ProcessPoolExecutor(max_workers=workers) as pool:
-                futures = [pool.submit(_simulate_summary, spec, profile, f) for spec, f in jobs]
+                futures = [
+                    pool.submit(_simulate_summary, spec, profile, f, j) for spec, f, j in jobs
+                ]
                 for future in futures:  # in sample order: the result does not depend on timing
                     add(future.result())
         except (OSError, BrokenProcessPool):
             # No worker processes here (no /dev/shm, a sandbox), or a worker died (memory):
             # the samples left run one by one in this process, with the same results.
             pass
-    for spec, f in jobs[len(summaries) :]:
-        add(_simulate_summary(spec, profile, f))
+    for spec, f, j in jobs[len(summaries) :]:
+        add(_simulate_summary(spec, profile, f, j))
     return factors, summaries

@@ -18,6 +18,7 @@ from sim.results import RunData, load_run
 from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
 from sim.shape_coverage import ShapeCell, fitted_cells, shape_coverage
+from sim.step_jitter import residual_quantiles
 from sim.step_record import shapes_of_steps
 from validate.fit import fit_cost_params, steps_since_prefill
 
@@ -184,6 +185,7 @@ def calibrate_measured(
     """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``)."""
     params, fit = fit_measured(measured)
     base, first = measured[0].scenario, measured[0].run
+    ratios = [step_ratios(m, params) for m in measured]
     return CalibrationProfile(
         params=params,
         hardware=str(first.summary.get("device")),
@@ -195,7 +197,8 @@ def calibrate_measured(
         created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
         max_num_batched_tokens=sorted({m.scenario.engine.max_num_batched_tokens for m in measured}),
         shape_cells=fitted_cells(s for m in measured for s in m.shapes),
-        run_step_ratios=[float(np.median(step_ratios(m, params))) for m in measured],
+        run_step_ratios=[float(np.median(r)) for r in ratios],
+        step_residual_quantiles=residual_quantiles(ratios),
     )
 
 

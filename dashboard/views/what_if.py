@@ -1,5 +1,9 @@
 """What-if: pick or upload a scenario, edit its key knobs, simulate, read the summary, save.
 
+With a calibration profile (``kvsim calibrate``'s JSON, uploaded) the run is priced by it,
+and with samples the page also draws the uncertainty band of ``kvsim run --samples``
+(sim/uncertainty.py), shows it under the summary and saves it with the run (samples.json).
+
 The title is drawn before anything heavy is imported: the simulator and the charts load
 while it is on screen (the first page must paint within a second). Every failure (a
 scenario, model config or trace that cannot be read, a simulation that raises, a save that
@@ -19,6 +23,7 @@ st.caption(
 )
 
 import hashlib
+import json
 import re
 import time
 from pathlib import Path
@@ -32,6 +37,8 @@ from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR
 
 RESULT = "what_if_result"
+# The most samples the page draws (each is a whole run; kvsim run --samples takes any N).
+MAX_SAMPLES = 50
 
 
 def _read_source() -> tuple[str, str, Path | None, str] | None:
@@ -74,7 +81,45 @@ def _knob_widget(knob: Knob, key: str) -> Any:
     )  # fmt: skip
 
 
-def _run(scenario, overrides: list[str], source: str) -> None:
+def _read_calibration() -> tuple[Any, str | None, int, bool]:
+    """(profile or None, its file name, samples, vary the seed) from the calibration
+    widgets; a profile that cannot be read is one error, and the page stops."""
+    with st.expander("Calibration and uncertainty band"):
+        st.caption(
+            "A calibration profile (`kvsim calibrate`'s JSON) prices the steps, as `kvsim run "
+            "--calibration` does; samples rerun the scenario at the step speeds of its measured "
+            "runs, as `kvsim run --samples` does, and report each metric's p10-p90 band."
+        )
+        upload = st.file_uploader("Calibration profile", type=["json"], key="wi-profile")
+        samples = st.number_input(
+            "Samples (0: none)", min_value=0, max_value=MAX_SAMPLES, value=0, step=1,
+            key="wi-samples", help="Each sample is one more run of the scenario.",
+        )  # fmt: skip
+        vary_seed = st.checkbox("Vary the workload seed too", key="wi-vary-seed")
+    if upload is None:
+        return None, None, int(samples), bool(vary_seed)
+    import pydantic
+
+    from sim.config.calibration import CalibrationProfile
+    from sim.errors import format_validation_error
+
+    try:
+        profile = CalibrationProfile.model_validate_json(upload.getvalue())
+    except pydantic.ValidationError as exc:  # bad JSON included
+        st.error(f"not a calibration profile: {format_validation_error(exc, upload.name)}")
+        st.stop()
+    return profile, upload.name, int(samples), bool(vary_seed)
+
+
+def _run(
+    scenario,
+    overrides: list[str],
+    source: str,
+    profile: Any = None,
+    profile_name: str | None = None,
+    samples: int = 0,
+    vary_seed: bool = False,
+) -> None:
     with st.spinner("Loading the simulator..."):
         from sim.runner import simulate
 
@@ -90,8 +135,23 @@ def _run(scenario, overrides: list[str], source: str) -> None:
         )
 
     started = time.perf_counter()
+    band = band_warning = None
     try:
-        result = simulate(scenario, progress=progress)
+        result = simulate(scenario, calibration=profile, progress=progress)
+        if samples:
+            from sim.uncertainty import band_records, band_rows, run_samples, truncation_warning
+
+            bar.progress(0.0, text=f"sampling step speeds: 0/{samples} runs")
+
+            def sampled(k: int) -> None:
+                bar.progress(k / samples, text=f"sampling step speeds: {k}/{samples} runs")
+
+            factors, summaries = run_samples(scenario, profile, samples, vary_seed, on_done=sampled)
+            rows = band_rows(result.summary, summaries)
+            band = band_records(
+                rows, factors, summaries, step_jitter=bool(profile.step_residual_quantiles)
+            )
+            band_warning = truncation_warning(result.summary, summaries)
     except Exception as exc:  # KvsimConfigError (sizing, a trace), or whatever else breaks
         bar.empty()
         show_error(exc, f"{source}: simulating {scenario.name}")
@@ -103,6 +163,12 @@ def _run(scenario, overrides: list[str], source: str) -> None:
         "overrides": overrides,
         "source": source,
         "saved": None,
+        "profile": profile,
+        "profile_name": profile_name,
+        "samples": samples,
+        "vary_seed": vary_seed,
+        "band": band,
+        "band_warning": band_warning,
     }
 
 
@@ -123,9 +189,28 @@ def _show_result(state: dict[str, Any]) -> None:
     result = state["result"]
     st.subheader("Result")
     sets = " ".join(f"--set {o}" for o in state["overrides"])
-    st.caption(f"Simulated in {state['wall_s']:.1f} s wall. Equivalent command:")
-    st.code(f"kvsim run {state['source']} {sets}".strip(), language="bash")
+    options = _calibration_options(state)
+    what = f" and {state['samples']} samples" if state["samples"] else ""
+    st.caption(f"Simulated{what} in {state['wall_s']:.1f} s wall. Equivalent command:")
+    st.code(f"kvsim run {state['source']} {sets} {options}".strip(), language="bash")
+    _calibration_notes(state)
     show_summary(result.summary, key="wi")
+    band = state["band"]
+    if band is not None:
+        from dashboard.loaders import band_frame
+
+        table, num_samples = band_frame(band)
+        st.markdown(f"**Uncertainty band** ({num_samples} samples)")
+        jitter = " and each step's own jitter" if band.get("step_jitter") else ""
+        seeds = ", with workload seeds seed + i" if state["vary_seed"] else ""
+        st.caption(
+            f"The scenario again at the run speeds{jitter} of the calibration's measured "
+            f"runs{seeds}: each metric at the profile as fitted, and the samples' median and "
+            "p10-p90."
+        )
+        st.dataframe(table, hide_index=True, key="wi-band")
+        if state["band_warning"]:
+            st.warning(state["band_warning"])
 
     steps = result.steps
     fleet = result.summary.get("fleet") if REPLICA in steps.columns else None
@@ -154,13 +239,49 @@ def _show_result(state: dict[str, Any]) -> None:
     name = name_col.text_input("Run name", value=result.scenario.name, key="wi-save-name")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or result.scenario.name
     if button_col.button("Save run", key="wi-save", disabled=state["saved"] is not None):
+        writers = []
+        if band is not None:
+            from sim.uncertainty import SAMPLES
+
+            text = json.dumps(band, indent=2) + "\n"
+            writers.append(lambda d: (d / SAMPLES).write_text(text))
         with guard(f"saving the run to {base}"):
             # Claimed atomically: two sessions saving at once get two folders.
-            out = result.write(claim_new_run_dir(base, name))  # with its block map
+            out = result.write(claim_new_run_dir(base, name), writers)  # with its block map
         state["saved"] = out
         st.rerun()
     if state["saved"] is not None:
         st.success(f"Saved to `{state['saved']}`: open it in the Run explorer.")
+
+
+def _calibration_options(state: dict[str, Any]) -> str:
+    """The run's calibration options as kvsim run takes them."""
+    if state["profile"] is None:
+        return ""
+    options = f"--calibration {state['profile_name']}"
+    if state["samples"]:
+        options += f" --samples {state['samples']}"
+        if state["vary_seed"]:
+            options += " --vary-seed"
+    return options
+
+
+def _calibration_notes(state: dict[str, Any]) -> None:
+    """What kvsim run says of a profile: fitted on other hardware, steps outside its shapes."""
+    profile = state["profile"]
+    if profile is None:
+        return
+    from sim.config.calibration import hardware_warning
+    from sim.step_record import shapes_of_steps
+
+    result = state["result"]
+    if warning := hardware_warning(profile, result.scenario.hardware.name):
+        st.warning(warning)
+    coverage = profile.coverage(shapes_of_steps(result.steps))
+    if coverage is not None:
+        st.caption(f"Shape coverage: {coverage.line()}")
+        if warning := coverage.warning():
+            st.warning(warning)
 
 
 with guard("reading the scenario"):
@@ -190,14 +311,25 @@ if picked is not None:
                 with cols[i % 4]:
                     values[knob.path] = _knob_widget(knob, f"{prefix}-{knob.path}")
             submitted = st.form_submit_button("Run simulation", type="primary", key="wi-run")
+    profile, profile_name, num_samples, vary_seed = _read_calibration()
     if submitted:
         try:
             overrides = build_overrides(knobs, values)
             scenario = scenario_from(document, overrides, source_name, base_dir)
+            if num_samples and profile is None:
+                raise KvsimConfigError(
+                    f"{num_samples} samples draw step speeds from the measured runs of a "
+                    "calibration profile: upload one (kvsim calibrate writes it) under "
+                    "'Calibration and uncertainty band', or set the samples to 0"
+                )
+            if num_samples:
+                from sim.uncertainty import sample_factors
+
+                sample_factors(profile, num_samples)  # a profile without measured runs
         except Exception as exc:  # KvsimConfigError, or a model/trace file that breaks
             show_error(exc, source_name)
         else:
-            _run(scenario, overrides, source_name)
+            _run(scenario, overrides, source_name, profile, profile_name, num_samples, vary_seed)
 
 if RESULT in st.session_state:
     with guard("showing the result"):

@@ -65,6 +65,13 @@ class CalibrationProfile(BaseModel):
         "fitted time, i.e. how fast that engine process ran (kvsim run --samples draws step "
         "speeds from them). Empty for profiles not fitted on measured runs.",
     )
+    step_residual_quantiles: list[float] = Field(
+        default_factory=list,
+        description="The 0th-100th percentiles (101 values) of every measured step's "
+        "measured / fitted time over its run's median ratio: the step-to-step jitter within "
+        "one engine process (kvsim run --samples draws each step's factor from them). Empty "
+        "for profiles not fitted on measured runs, or written before kvsim recorded them.",
+    )
     device_measurements: dict[str, float] = Field(
         default_factory=dict,
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "

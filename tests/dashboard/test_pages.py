@@ -14,8 +14,10 @@ import pandas as pd
 import pytest
 from streamlit.testing.v1 import AppTest
 
+from sim.cost_model import CostParams
 from sim.scenario import SCENARIO_DIR
 from tests.dashboard.apptest import TIMEOUT_S, charts, open_page, start_app, texts
+from tests.profiles import profile_with
 
 
 def test_what_if_renders_knobs(runs_env: Path) -> None:
@@ -85,6 +87,53 @@ def test_what_if_run_shows_summary_and_saves(
     assert at.button(key="wi-save").disabled
     summary = json.loads((runs_env / saved[-1] / "summary.json").read_text())
     assert summary["num_requests"] == 100
+
+
+def jittery_profile() -> bytes:
+    """A profile for the coding-agent scenario's model and GPU, with measured-run spread."""
+    params = CostParams(mode="additive", compute_efficiency=0.5, bandwidth_efficiency=0.8)
+    profile = profile_with(
+        params,
+        hardware="H100-SXM-80GB",
+        model="Llama-3.1-8B",
+        run_step_ratios=[0.9, 1.0, 1.2],
+        step_residual_quantiles=[0.9] * 50 + [1.0] * 50 + [2.0],
+    )
+    return profile.model_dump_json().encode()
+
+
+def test_what_if_draws_an_uncertainty_band_with_a_calibration_profile(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs_env = tmp_path / "runs"
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(runs_env))
+    at = start_app()
+    at.number_input(key="wi-coding-agents-8b-h100-workload.sessions").set_value(4)
+    at.number_input(key="wi-samples").set_value(2)
+    at.button(key="wi-run").click().run()
+    errors = texts(at.error)  # samples without a profile
+    assert errors and "upload one" in errors[0] and "Result" not in texts(at.subheader)
+
+    at.file_uploader(key="wi-profile").set_value(("bad.json", b"{}", "application/json")).run()
+    assert any("not a calibration profile" in e and "bad.json" in e for e in texts(at.error))
+    profile = ("cpu-fit.json", jittery_profile(), "application/json")
+    at.file_uploader(key="wi-profile").set_value(profile).run()
+    at.button(key="wi-run").click().run()
+    assert not at.exception, at.exception
+    assert not at.error, texts(at.error)
+    assert any("--calibration cpu-fit.json --samples 2" in c for c in texts(at.code))
+    (band,) = [d.value for d in at.dataframe if "p10" in d.value.columns]
+    assert list(band.columns) == ["metric", "this run", "median", "p10", "p90"]
+    assert band["metric"].iloc[0] == "TTFT p50" and len(band) >= 10
+    assert any("each step's own jitter" in c for c in texts(at.caption))
+
+    at.button(key="wi-save").click().run()
+    assert not at.exception, at.exception
+    (saved,) = runs_env.iterdir()
+    record = json.loads((saved / "samples.json").read_text())
+    assert len(record["speed_factors"]) == 2 and record["step_jitter"] is True
+    summary = json.loads((saved / "summary.json").read_text())
+    assert summary["calibration"]["params"]["compute_efficiency"] == 0.5
 
 
 def test_what_if_invalid_override_shows_error(runs_env: Path) -> None:

@@ -17,8 +17,10 @@ from sim.tune import (
     OFFLOAD_GIB,
     SPACE,
     Trial,
+    baseline_params,
     overrides,
     pareto_front,
+    startup_trials,
     trial_engine,
     tune,
 )
@@ -66,6 +68,49 @@ def test_the_best_trial_is_the_best_feasible_one_and_the_search_is_seeded() -> N
     for t in result.trials:
         for name, values in SPACE.items():
             assert t.params[name] in values
+
+
+def test_the_first_trial_is_the_scenarios_own_config() -> None:
+    # A deployment whose goodput peaks at the scenario's own (unusual) config: the search
+    # starts there, so it never reports a config worse than what the user runs.
+    sets = [
+        *SMALL,
+        "slos.ttft_p99_s=1",
+        "engine.max_num_seqs=100",
+        "engine.gpu_memory_utilization=0.925",
+        "engine.long_prefill_token_threshold=512",
+    ]
+    spec = load_scenario(BURST, sets)
+
+    def peaked(s: Scenario) -> dict[str, Any]:
+        summary = fake_summary(s)
+        own = s.engine.max_num_seqs == 100 and s.engine.gpu_memory_utilization == 0.925
+        summary["metrics"]["goodput_req_s"] = 100.0 if own else 1.0
+        return summary
+
+    result = tune(spec, "goodput", 6, peaked)
+    first = result.trials[0]
+    assert first.baseline and not any(t.baseline for t in result.trials[1:])
+    assert first.params == baseline_params(spec)
+    assert first.params["max_num_seqs"] == 100 and first.params["gpu_memory_utilization"] == 0.925
+    assert trial_engine(spec.engine.model_dump(mode="json"), first) == spec.engine.model_dump(
+        mode="json"
+    )
+    assert result.best is first and first.objective == 100.0
+    # The other trials draw from the space with the scenario's values added to it.
+    for t in result.trials[1:]:
+        assert t.params["max_num_seqs"] in (64, 100, 128, 256, 512)
+        assert t.params["long_prefill_token_threshold"] in (0, 512, 1024, 4096)
+        assert 0.80 <= t.params["gpu_memory_utilization"] <= 0.95
+    # With memory policies, trial 0 is the scenario's knobs on vLLM's own engine.
+    swap = load_scenario(BURST, [*SMALL, "slos.ttft_p99_s=1", "engine.preemption_mode=swap",
+                                 "engine.swap_space_gib=8"])  # fmt: skip
+    policies = tune(swap, "goodput", 2, fake_summary, memory_policies="exportable")
+    assert policies.trials[0].baseline and policies.trials[0].policy == "vllm"
+
+
+def test_tpe_samples_at_random_for_a_third_of_the_budget_at_most_ten() -> None:
+    assert [startup_trials(b) for b in (1, 2, 3, 15, 30, 31, 100)] == [1, 1, 1, 5, 10, 10, 10]
 
 
 def test_configs_vllm_refuses_or_that_do_not_fit_are_not_simulated() -> None:

@@ -96,6 +96,38 @@ def test_samples_are_deterministic_and_ordered_by_speed() -> None:
     assert [s["seed"] for s in seeds] == [spec.seed, spec.seed + 1]
 
 
+def test_samples_draw_step_jitter_when_the_profile_records_it(tmp_path: Path) -> None:
+    spec = load_scenario(SCENARIO, ["workload.sessions=6"])
+    spread = [0.9] * 50 + [1.0] + [1.05] * 48 + [2.0, 4.0]  # 101 percentiles, a slow tail
+    jittery = PROFILE.model_copy(update={"step_residual_quantiles": spread})
+    factors, summaries = run_samples(spec, jittery, 3, workers=1)
+    assert factors == run_samples(spec, PROFILE, 3, workers=1)[0]  # the same run speeds
+    assert run_samples(spec, jittery, 3, workers=2) == (factors, summaries)  # deterministic
+    plain = run_samples(spec, PROFILE, 3, workers=1)[1]
+    itl = "vllm:inter_token_latency_seconds"
+    for jittered, steady in zip(summaries, plain, strict=True):
+        assert jittered["metrics"][itl] != steady["metrics"][itl]
+    # Every step drawing the same factor is a slower process: the run speed times it.
+    constant = PROFILE.model_copy(update={"step_residual_quantiles": [1.25] * 101})
+    slower = PROFILE.model_copy(update={"run_step_ratios": [1.25 * r for r in RATIOS]})
+    for a, b in zip(run_samples(spec, constant, 2, workers=1)[1],
+                    run_samples(spec, slower, 2, workers=1)[1], strict=True):  # fmt: skip
+        for metric in ("vllm:time_to_first_token_seconds", itl):
+            assert a["metrics"][metric]["p50"] == pytest.approx(b["metrics"][metric]["p50"])
+    # The profile keeps the spread; a run's summary.json leaves it out, as the run ratios.
+    out = tmp_path / "p.json"
+    save_profile(jittery, out)
+    result = CliRunner().invoke(
+        app,
+        ["run", str(SCENARIO), "--set", "workload.sessions=6", "--calibration", str(out),
+         "--samples", "2", "--out", str(tmp_path / "run")],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    assert json.loads((tmp_path / "run" / SAMPLES).read_text())["step_jitter"] is True
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert "step_residual_quantiles" not in summary["calibration"]
+
+
 def test_cli_run_samples_writes_the_band(tmp_path: Path) -> None:
     profile = tmp_path / "profile.json"
     save_profile(PROFILE, profile)
@@ -106,6 +138,7 @@ def test_cli_run_samples_writes_the_band(tmp_path: Path) -> None:
     assert result.exit_code == 0, result.output
     band = json.loads((tmp_path / "run" / SAMPLES).read_text())
     assert band["speed_factors"] == pytest.approx([0.8 + 0.2 / 3, 1.0, 1.2])
+    assert band["step_jitter"] is False  # the profile records no step spread
     assert [m["metric"] for m in band["metrics"]][:2] == ["TTFT p50", "TTFT p90"]
     assert "uncertainty: 3 samples at the step speeds" in result.output
     for bad, message in (

@@ -121,5 +121,6 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "environment": {},
         "shape_cells": [],
         "run_step_ratios": [],
+        "step_residual_quantiles": [],
         "device_measurements": {},
     }
