@@ -125,7 +125,7 @@ def main() -> int:
                   str(result.simulations), f"{wall_tune:.1f}", f"{tuned}")  # fmt: skip
     console.print(table)
     grid_best = best_goodput(compared)
-    if tuned is not None and grid_best is not None:
+    if tuned is not None and grid_best:
         verdict = "reaches" if tuned >= grid_best else "does not reach"
         console.print(
             f"the tuner's best ({tuned:.7g}) {verdict} the grid's best ({grid_best:.7g}; "
@@ -134,7 +134,7 @@ def main() -> int:
         )
         if result.best is not None:
             console.print(f"the tuner's best config: {result.best.params}")
-    elif grid_best is None:
+    elif not grid_best:
         console.print("no point of the comparison grid meets every SLO: choose a lighter "
                       "--compare-set")  # fmt: skip
     else:

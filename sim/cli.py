@@ -52,8 +52,9 @@ def run(
         int,
         typer.Option(
             help="Also run the scenario N more times at the step speeds the calibration's "
-            "measured runs ran at, and report each metric's median and p10-p90 band "
-            "(samples.json; needs --calibration from kvsim calibrate).",
+            "measured runs ran at (each step with its own jitter, where the profile records "
+            "it), and report each metric's median and p10-p90 band (samples.json; needs "
+            "--calibration from kvsim calibrate).",
             min=0,
         ),
     ] = 0,

@@ -471,7 +471,7 @@ def tune_cmd(
                 what = f"infeasible: {t.error or 'misses an SLO'}"
             else:
                 what = f"not run: {t.error}"
-            which = " (the scenario's own config)" if t.baseline else ""
+            which = f" ({t.baseline})" if t.baseline else ""
             err_console.print(f"  trial {t.number}{which}: {what}", highlight=False)
 
         result = tune(
@@ -513,8 +513,9 @@ def tune_cmd(
         raise fail("no trial met every SLO with every request finished; relax --slo or the load")
     base_engine = spec.engine.model_dump(mode="json")
     policy = "" if best.policy is None else f" (memory policy: {best.policy})"
+    which = f" ({best.baseline})" if best.baseline else ""
     console.print(
-        f"best: trial {best.number}, {objective} = {best.objective:.4g}{policy}; "
+        f"best: trial {best.number}{which}, {objective} = {best.objective:.4g}{policy}; "
         + " ".join(f"--set {o}" for o in overrides(base_engine, best)),
         highlight=False,
     )

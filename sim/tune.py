@@ -18,11 +18,12 @@ wanted, the what-ifs vLLM 0.32 lacks (swap preemption, KV retention during tool 
 size the hardware's host memory cannot hold is refused like any other invalid config.
 
 Trial 0 is the scenario's own engine config (its value of every searched knob, added to the
-search space where the space lacks it; with ``memory_policies``, on vLLM's own engine): the
-search starts from what the user runs today, and its result is never worse than that when
-that config is feasible. TPE then samples at random for its first trials (a third of the
-budget, at most Optuna's default of 10: a budget of 15 leaves 10 guided trials instead of 5)
-and from its model of the good trials after that.
+search space where the space lacks it; with ``memory_policies``, its memory policy and size
+when it is one the search offers, else vLLM's own engine, and the trial says so): the search
+starts from what the user runs today, and its result is never worse than that when that
+config is feasible. TPE then samples at random until a third of the budget has run (trial 0
+included, at most Optuna's default of 10: a budget of 15 leaves 10 guided trials instead of
+5) and from its model of the good trials after that.
 
 A trial is feasible when every request finished and every SLO held (for ``max-sessions``:
 when some load held); Optuna's TPE sampler gets that as its constraint, so it learns where
@@ -34,6 +35,8 @@ Pareto front of the feasible trials over output throughput (higher), p99 TTFT an
 from __future__ import annotations
 
 import json
+import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -88,7 +91,8 @@ class Trial:
     error: str | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
     simulations: int = 0
-    baseline: bool = False  # the scenario's own engine config (trial 0)
+    # Trial 0: what it is (the scenario's own config, or its knobs on vLLM's own engine).
+    baseline: str | None = None
 
 
 @dataclass
@@ -175,10 +179,16 @@ def tune(
         space["tensor_parallel_size"] = (scenario.engine.tensor_parallel_size,)
     baseline = baseline_params(scenario, memory_policies)
     space = {name: _with(values, baseline[name]) for name, values in space.items()}
+    sizes = {
+        "kv_offload_gib": _with(OFFLOAD_GIB, baseline.get("kv_offload_gib")),
+        "swap_space_gib": _with(SWAP_SPACE_GIB, baseline.get("swap_space_gib")),
+    }
+    # Steps of 0.01 over a range that holds the scenario's own value (trial 0 runs that value
+    # as it is, also between two steps).
     util = baseline["gpu_memory_utilization"]
-    util_low, util_high = min(GPU_MEMORY_UTILIZATION[0], util), max(GPU_MEMORY_UTILIZATION[1], util)
-    # Steps of 0.01, unless the scenario's own value lies between them.
-    util_step = 0.01 if round(util, 2) == util else None
+    hundredths = round(util * 100, 6)
+    util_low = min(GPU_MEMORY_UTILIZATION[0], math.floor(hundredths) / 100)
+    util_high = max(GPU_MEMORY_UTILIZATION[1], math.ceil(hundredths) / 100)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     sampler = optuna.samplers.TPESampler(
         seed=scenario.seed if seed is None else seed, n_startup_trials=startup_trials(budget)
@@ -192,14 +202,17 @@ def tune(
         params: dict[str, Any] = {
             name: ask.suggest_categorical(name, list(values)) for name, values in space.items()
         }
-        value = ask.suggest_float("gpu_memory_utilization", util_low, util_high, step=util_step)
-        params["gpu_memory_utilization"] = value if value == util else round(value, 2)
+        with warnings.catch_warnings():  # trial 0's value may lie between two steps
+            warnings.simplefilter("ignore")
+            value = ask.suggest_float("gpu_memory_utilization", util_low, util_high, step=0.01)
+        params["gpu_memory_utilization"] = value if ask.number == 0 else round(value, 2)
         policy = None
         if memory_policies is not None:
-            policy, fields = _suggest_memory_policy(ask, memory_policies)
+            policy, fields = _suggest_memory_policy(ask, memory_policies, sizes)
             params |= fields
         trial = Trial(ask.number, params, "invalid", None, policy=policy)
-        trial.baseline = ask.number == 0
+        if ask.number == 0:
+            trial.baseline = baseline_note(scenario, memory_policies)
         document = {**base, "engine": trial_engine(base["engine"], trial)}
         try:
             spec = parse_scenario(document, f"{scenario.name} trial {ask.number}")
@@ -232,31 +245,71 @@ def startup_trials(budget: int) -> int:
 
 
 def baseline_params(scenario: Scenario, memory_policies: str | None = None) -> dict[str, Any]:
-    """The scenario's own value of every searched knob: the first trial (as Optuna
-    parameters; with ``memory_policies``, vLLM's own engine)."""
+    """The scenario's own value of every searched knob: the first trial, as Optuna
+    parameters (with ``memory_policies``, its policy and size when the search offers that
+    policy, else vLLM's own engine)."""
     engine = scenario.engine
     params: dict[str, Any] = {name: getattr(engine, name) for name in SPACE}
     params["gpu_memory_utilization"] = engine.gpu_memory_utilization
     if memory_policies is not None:
-        params["memory_policy"] = "vllm"
+        policy = scenario_policy(scenario, memory_policies) or ("vllm", {})
+        params["memory_policy"] = policy[0]
+        params |= policy[1]
     return params
+
+
+def scenario_policy(scenario: Scenario, which: str) -> tuple[str, dict[str, Any]] | None:
+    """The memory policy (:data:`MEMORY_POLICIES`) the scenario runs and its size, when the
+    search over ``which`` offers it; None otherwise (another what-if, or one of them set up
+    in a way no trial would be)."""
+    engine = scenario.engine
+    names = EXPORTABLE_POLICIES if which == "exportable" else tuple(MEMORY_POLICIES)
+    swap = engine.preemption_mode == "swap"
+    offload = engine.kv_offload_gib
+    retention = engine.kv_retention.model_dump(mode="json")
+    plain_retention = retention == type(engine.kv_retention)().model_dump(mode="json")
+    if not swap and offload is None and plain_retention:
+        return "vllm", {}
+    if not swap and offload is not None and plain_retention:
+        return "offload", {"kv_offload_gib": offload}
+    if swap and offload is None and plain_retention and "swap" in names:
+        return "swap", {"swap_space_gib": engine.swap_space_gib}
+    tool_latency = type(engine.kv_retention)(**MEMORY_POLICIES["retention"]["kv_retention"])
+    if (
+        not swap
+        and offload is None
+        and "retention" in names
+        and retention == tool_latency.model_dump(mode="json")
+    ):
+        return "retention", {}
+    return None
+
+
+def baseline_note(scenario: Scenario, memory_policies: str | None) -> str:
+    """What trial 0 is."""
+    if memory_policies is None or scenario_policy(scenario, memory_policies) is not None:
+        return "the scenario's own config"
+    return "the scenario's engine knobs, on vLLM's own engine (its memory policy is not searched)"
 
 
 def _with(values: tuple[Any, ...], value: Any) -> tuple[Any, ...]:
     """A knob's choices, with the scenario's own value added (in order) when they lack it."""
-    return values if value in values else tuple(sorted((*values, value)))
+    if value is None or value in values:
+        return values
+    return tuple(sorted((*values, value)))
 
 
-def _suggest_memory_policy(ask: Any, which: str) -> tuple[str, dict[str, Any]]:
-    """The memory policy an Optuna trial picks and its engine fields (a size only for the
-    policy that has one: a conditional parameter)."""
+def _suggest_memory_policy(
+    ask: Any, which: str, sizes: dict[str, tuple[Any, ...]]
+) -> tuple[str, dict[str, Any]]:
+    """The memory policy an Optuna trial picks and its engine fields (a size, from
+    ``sizes``, only for the policy that has one: a conditional parameter)."""
     names = list(EXPORTABLE_POLICIES if which == "exportable" else MEMORY_POLICIES)
     policy = ask.suggest_categorical("memory_policy", names)
     fields = dict(MEMORY_POLICIES[policy])
-    if policy == "offload":
-        fields["kv_offload_gib"] = ask.suggest_categorical("kv_offload_gib", list(OFFLOAD_GIB))
-    elif policy == "swap":
-        fields["swap_space_gib"] = ask.suggest_categorical("swap_space_gib", list(SWAP_SPACE_GIB))
+    size = {"offload": "kv_offload_gib", "swap": "swap_space_gib"}.get(policy)
+    if size is not None:
+        fields[size] = ask.suggest_categorical(size, list(sizes[size]))
     return policy, fields
 
 

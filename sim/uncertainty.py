@@ -23,6 +23,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
+from multiprocessing import get_context
 from typing import Any
 
 import numpy as np
@@ -202,12 +203,19 @@ def run_samples(
 
     if workers > 1:
         try:
-            with ProcessPoolExecutor(max_workers=workers) as pool:
+            # Spawned, not forked: the caller may run threads (a progress bar, the dashboard's
+            # server) whose locks a forked child would inherit held.
+            pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
+            try:
                 futures = [
                     pool.submit(_simulate_summary, spec, profile, f, j) for spec, f, j in jobs
                 ]
                 for future in futures:  # in sample order: the result does not depend on timing
                     add(future.result())
+            finally:
+                # Interrupted (Ctrl-C, a dashboard rerun): drop the samples not started
+                # rather than wait for them all.
+                pool.shutdown(wait=False, cancel_futures=True)
         except (OSError, BrokenProcessPool):
             # No worker processes here (no /dev/shm, a sandbox), or a worker died (memory):
             # the samples left run one by one in this process, with the same results.

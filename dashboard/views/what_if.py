@@ -26,8 +26,9 @@ import hashlib
 import json
 import re
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dashboard.errors import guard, show_error
 from dashboard.knobs import Knob, build_overrides, knobs_for, question, scenario_from
@@ -35,6 +36,10 @@ from dashboard.locations import runs_dir
 from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR
+
+if TYPE_CHECKING:
+    from sim.config.calibration import CalibrationProfile
+    from sim.scenario import Scenario
 
 RESULT = "what_if_result"
 # The most samples the page draws (each is a whole run; kvsim run --samples takes any N).
@@ -81,9 +86,9 @@ def _knob_widget(knob: Knob, key: str) -> Any:
     )  # fmt: skip
 
 
-def _read_calibration() -> tuple[Any, str | None, int, bool]:
-    """(profile or None, its file name, samples, vary the seed) from the calibration
-    widgets; a profile that cannot be read is one error, and the page stops."""
+def _calibration_widgets() -> tuple[Any, int, bool]:
+    """(the uploaded profile file or None, samples, vary the seed): the calibration widgets,
+    inside the form (read when it is submitted)."""
     with st.expander("Calibration and uncertainty band"):
         st.caption(
             "A calibration profile (`kvsim calibrate`'s JSON) prices the steps, as `kvsim run "
@@ -96,26 +101,44 @@ def _read_calibration() -> tuple[Any, str | None, int, bool]:
             key="wi-samples", help="Each sample is one more run of the scenario.",
         )  # fmt: skip
         vary_seed = st.checkbox("Vary the workload seed too", key="wi-vary-seed")
-    if upload is None:
-        return None, None, int(samples), bool(vary_seed)
+    return upload, int(samples), bool(vary_seed)
+
+
+def _read_profile(upload: Any, samples: int) -> CalibrationProfile | None:
+    """The uploaded profile, checked for what ``samples`` need; KvsimConfigError names the
+    file and the field."""
     import pydantic
 
     from sim.config.calibration import CalibrationProfile
     from sim.errors import format_validation_error
 
+    if upload is None:
+        if samples:
+            raise KvsimConfigError(
+                f"{samples} samples draw step speeds from the measured runs of a calibration "
+                "profile: upload one (kvsim calibrate writes it) under 'Calibration and "
+                "uncertainty band', or set the samples to 0"
+            )
+        return None
     try:
         profile = CalibrationProfile.model_validate_json(upload.getvalue())
     except pydantic.ValidationError as exc:  # bad JSON included
-        st.error(f"not a calibration profile: {format_validation_error(exc, upload.name)}")
-        st.stop()
-    return profile, upload.name, int(samples), bool(vary_seed)
+        message = format_validation_error(exc, upload.name)
+        raise KvsimConfigError(f"not a calibration profile: {message}") from None
+    if samples and not profile.run_step_ratios:
+        raise KvsimConfigError(
+            f"{upload.name} records no measured run spread (run_step_ratios is empty: it was "
+            "not fitted by kvsim calibrate on measured runs, or before kvsim recorded them); "
+            "samples draw from a profile that does, or set the samples to 0"
+        )
+    return profile
 
 
 def _run(
-    scenario,
+    scenario: Scenario,
     overrides: list[str],
     source: str,
-    profile: Any = None,
+    profile: CalibrationProfile | None = None,
     profile_name: str | None = None,
     samples: int = 0,
     vary_seed: bool = False,
@@ -138,7 +161,8 @@ def _run(
     band = band_warning = None
     try:
         result = simulate(scenario, calibration=profile, progress=progress)
-        if samples:
+        notes = _calibration_notes(profile, result)
+        if samples and profile is not None:
             from sim.uncertainty import band_records, band_rows, run_samples, truncation_warning
 
             bar.progress(0.0, text=f"sampling step speeds: 0/{samples} runs")
@@ -163,8 +187,8 @@ def _run(
         "overrides": overrides,
         "source": source,
         "saved": None,
-        "profile": profile,
         "profile_name": profile_name,
+        "calibration_notes": notes,
         "samples": samples,
         "vary_seed": vary_seed,
         "band": band,
@@ -188,28 +212,33 @@ def _show_result(state: dict[str, Any]) -> None:
 
     result = state["result"]
     st.subheader("Result")
-    sets = " ".join(f"--set {o}" for o in state["overrides"])
-    options = _calibration_options(state)
-    what = f" and {state['samples']} samples" if state["samples"] else ""
+    command = ["kvsim run", state["source"], *(f"--set {o}" for o in state["overrides"])]
+    command += _calibration_options(state)
+    samples = state.get("samples", 0)
+    what = f" and {samples} samples" if samples else ""
     st.caption(f"Simulated{what} in {state['wall_s']:.1f} s wall. Equivalent command:")
-    st.code(f"kvsim run {state['source']} {sets} {options}".strip(), language="bash")
-    _calibration_notes(state)
+    st.code(" ".join(command), language="bash")
+    notes = state.get("calibration_notes") or {}
+    if notes.get("coverage"):
+        st.caption(f"Shape coverage: {notes['coverage']}")
+    for warning in notes.get("warnings", []):
+        st.warning(warning)
     show_summary(result.summary, key="wi")
-    band = state["band"]
+    band = state.get("band")
     if band is not None:
         from dashboard.loaders import band_frame
 
         table, num_samples = band_frame(band)
         st.markdown(f"**Uncertainty band** ({num_samples} samples)")
         jitter = " and each step's own jitter" if band.get("step_jitter") else ""
-        seeds = ", with workload seeds seed + i" if state["vary_seed"] else ""
+        seeds = ", with workload seeds seed + i" if state.get("vary_seed") else ""
         st.caption(
             f"The scenario again at the run speeds{jitter} of the calibration's measured "
             f"runs{seeds}: each metric at the profile as fitted, and the samples' median and "
             "p10-p90."
         )
         st.dataframe(table, hide_index=True, key="wi-band")
-        if state["band_warning"]:
+        if state.get("band_warning"):
             st.warning(state["band_warning"])
 
     steps = result.steps
@@ -239,7 +268,7 @@ def _show_result(state: dict[str, Any]) -> None:
     name = name_col.text_input("Run name", value=result.scenario.name, key="wi-save-name")
     name = re.sub(r"[^A-Za-z0-9._-]+", "-", name).strip("-.") or result.scenario.name
     if button_col.button("Save run", key="wi-save", disabled=state["saved"] is not None):
-        writers = []
+        writers: list[Callable[[Path], Any]] = []
         if band is not None:
             from sim.uncertainty import SAMPLES
 
@@ -254,34 +283,39 @@ def _show_result(state: dict[str, Any]) -> None:
         st.success(f"Saved to `{state['saved']}`: open it in the Run explorer.")
 
 
-def _calibration_options(state: dict[str, Any]) -> str:
+def _calibration_options(state: dict[str, Any]) -> list[str]:
     """The run's calibration options as kvsim run takes them."""
-    if state["profile"] is None:
-        return ""
-    options = f"--calibration {state['profile_name']}"
-    if state["samples"]:
-        options += f" --samples {state['samples']}"
-        if state["vary_seed"]:
-            options += " --vary-seed"
+    name = state.get("profile_name")
+    if name is None:
+        return []
+    options = [f"--calibration {name}"]
+    if state.get("samples"):
+        options.append(f"--samples {state['samples']}")
+        if state.get("vary_seed"):
+            options.append("--vary-seed")
     return options
 
 
-def _calibration_notes(state: dict[str, Any]) -> None:
-    """What kvsim run says of a profile: fitted on other hardware, steps outside its shapes."""
-    profile = state["profile"]
+def _calibration_notes(profile: CalibrationProfile | None, result: Any) -> dict[str, Any]:
+    """What kvsim run says of a profile (fitted on other hardware or at another token
+    budget, steps outside its shapes), computed once per run."""
     if profile is None:
-        return
+        return {}
     from sim.config.calibration import hardware_warning
     from sim.step_record import shapes_of_steps
 
-    result = state["result"]
-    if warning := hardware_warning(profile, result.scenario.hardware.name):
-        st.warning(warning)
+    scenario = result.scenario
+    warnings = [
+        hardware_warning(profile, scenario.hardware.name),
+        profile.budget_warning(scenario.engine.max_num_batched_tokens),
+    ]
     coverage = profile.coverage(shapes_of_steps(result.steps))
     if coverage is not None:
-        st.caption(f"Shape coverage: {coverage.line()}")
-        if warning := coverage.warning():
-            st.warning(warning)
+        warnings.append(coverage.warning())
+    return {
+        "coverage": coverage.line() if coverage is not None else None,
+        "warnings": [w for w in warnings if w],
+    }
 
 
 with guard("reading the scenario"):
@@ -310,26 +344,18 @@ if picked is not None:
             for i, knob in enumerate(knobs):
                 with cols[i % 4]:
                     values[knob.path] = _knob_widget(knob, f"{prefix}-{knob.path}")
+            upload, num_samples, vary_seed = _calibration_widgets()
             submitted = st.form_submit_button("Run simulation", type="primary", key="wi-run")
-    profile, profile_name, num_samples, vary_seed = _read_calibration()
     if submitted:
         try:
             overrides = build_overrides(knobs, values)
             scenario = scenario_from(document, overrides, source_name, base_dir)
-            if num_samples and profile is None:
-                raise KvsimConfigError(
-                    f"{num_samples} samples draw step speeds from the measured runs of a "
-                    "calibration profile: upload one (kvsim calibrate writes it) under "
-                    "'Calibration and uncertainty band', or set the samples to 0"
-                )
-            if num_samples:
-                from sim.uncertainty import sample_factors
-
-                sample_factors(profile, num_samples)  # a profile without measured runs
+            profile = _read_profile(upload, num_samples)
         except Exception as exc:  # KvsimConfigError, or a model/trace file that breaks
             show_error(exc, source_name)
         else:
-            _run(scenario, overrides, source_name, profile, profile_name, num_samples, vary_seed)
+            name = upload.name if upload is not None else None
+            _run(scenario, overrides, source_name, profile, name, num_samples, vary_seed)
 
 if RESULT in st.session_state:
     with guard("showing the result"):

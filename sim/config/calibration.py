@@ -15,7 +15,7 @@ from functools import cache
 from pathlib import Path
 
 import pydantic
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from sim.config.hardware import HARDWARE_PRESETS, Hardware
 from sim.config.model import ModelGeometry
@@ -23,6 +23,7 @@ from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError, format_validation_error
 from sim.scheduler.output import BatchShape
 from sim.shape_coverage import ShapeCoverage, shape_coverage
+from sim.step_jitter import check_quantiles
 
 
 class CalibrationProfile(BaseModel):
@@ -67,9 +68,9 @@ class CalibrationProfile(BaseModel):
     )
     step_residual_quantiles: list[float] = Field(
         default_factory=list,
-        description="The 0th-100th percentiles (101 values) of every measured step's "
-        "measured / fitted time over its run's median ratio: the step-to-step jitter within "
-        "one engine process (kvsim run --samples draws each step's factor from them). Empty "
+        description="Quantiles, at (i + 0.5) / 1,000, of every measured step's measured / "
+        "fitted time over its run's median ratio: the step-to-step jitter within one engine "
+        "process (kvsim run --samples gives each step one of them, drawn uniformly). Empty "
         "for profiles not fitted on measured runs, or written before kvsim recorded them.",
     )
     device_measurements: dict[str, float] = Field(
@@ -77,6 +78,12 @@ class CalibrationProfile(BaseModel):
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
         "bf16 matmul FLOP/s.",
     )
+
+    @field_validator("run_step_ratios", "step_residual_quantiles")
+    @classmethod
+    def _time_factors(cls, values: list[float]) -> list[float]:
+        check_quantiles(values)  # finite and positive: they multiply step times
+        return values
 
     def budget_warning(self, max_num_batched_tokens: int) -> str | None:
         """Why step times may be off for a scenario run at ``max_num_batched_tokens``, or

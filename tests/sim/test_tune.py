@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from sim.cli import app
 from sim.errors import KvsimConfigError
-from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
+from sim.scenario import SCENARIO_DIR, Scenario, load_scenario, parse_scenario
 from sim.tune import (
     MEMORY_POLICIES,
     OFFLOAD_GIB,
@@ -97,16 +97,52 @@ def test_the_first_trial_is_the_scenarios_own_config() -> None:
         mode="json"
     )
     assert result.best is first and first.objective == 100.0
-    # The other trials draw from the space with the scenario's values added to it.
+    assert first.baseline == "the scenario's own config"
+    # The other trials draw from the space with the scenario's values added to it, and
+    # utilizations on the 0.01 grid.
     for t in result.trials[1:]:
         assert t.params["max_num_seqs"] in (64, 100, 128, 256, 512)
         assert t.params["long_prefill_token_threshold"] in (0, 512, 1024, 4096)
         assert 0.80 <= t.params["gpu_memory_utilization"] <= 0.95
-    # With memory policies, trial 0 is the scenario's knobs on vLLM's own engine.
-    swap = load_scenario(BURST, [*SMALL, "slos.ttft_p99_s=1", "engine.preemption_mode=swap",
-                                 "engine.swap_space_gib=8"])  # fmt: skip
-    policies = tune(swap, "goodput", 2, fake_summary, memory_policies="exportable")
-    assert policies.trials[0].baseline and policies.trials[0].policy == "vllm"
+        assert round(t.params["gpu_memory_utilization"], 2) == t.params["gpu_memory_utilization"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "which", "policy", "size", "own"),
+    [
+        (["engine.kv_offload_gib=48"], "exportable", "offload", ("kv_offload_gib", 48), True),
+        (
+            ["engine.preemption_mode=swap", "engine.swap_space_gib=8"],
+            "all",
+            "swap",
+            ("swap_space_gib", 8),
+            True,
+        ),
+        (["engine.kv_retention.policy=tool_latency"], "all", "retention", None, True),
+        # Swap is not searched for exportable configs: the knobs, on vLLM's own engine.
+        (
+            ["engine.preemption_mode=swap", "engine.swap_space_gib=8"],
+            "exportable",
+            "vllm",
+            None,
+            False,
+        ),
+        ([], "exportable", "vllm", None, True),
+    ],
+)
+def test_trial_0_keeps_the_scenarios_memory_policy_when_it_is_searched(
+    sets: list[str], which: str, policy: str, size: tuple[str, float] | None, own: bool
+) -> None:
+    spec = load_scenario(BURST, [*SMALL, "slos.ttft_p99_s=1", *sets])
+    first = tune(spec, "goodput", 1, fake_summary, memory_policies=which).trials[0]
+    assert first.policy == policy and first.state == "ok", first.error
+    if size is not None:
+        assert first.params[size[0]] == size[1]
+    document = spec.model_dump(mode="json")
+    engine = trial_engine(document["engine"], first)
+    assert (parse_scenario({**document, "engine": engine}, "t").engine == spec.engine) is own
+    assert (first.baseline == "the scenario's own config") is own
+    assert own or "vLLM's own engine" in (first.baseline or "")
 
 
 def test_tpe_samples_at_random_for_a_third_of_the_budget_at_most_ten() -> None:
