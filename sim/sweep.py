@@ -29,7 +29,7 @@ import shutil
 import signal
 import socket
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -40,6 +40,7 @@ import pandas as pd
 
 from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError, short_repr
+from sim.interrupts import sigint_deferred, wait_first
 from sim.scenario import check_runnable, load_scenario
 
 SWEEP_FILE = "sweep.json"
@@ -342,13 +343,13 @@ def _run_locally(
         pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p for p in pending
     }
     try:
-        while futures:
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in done:
-                point = futures.pop(future)
-                error = future.result()
-                if on_point is not None:
-                    on_point(point, error)
+        with sigint_deferred() as interrupt:
+            while futures:
+                for future in wait_first(futures, interrupt):
+                    point = futures.pop(future)
+                    error = future.result()
+                    if on_point is not None:
+                        on_point(point, error)
     except BrokenProcessPool:
         _stop(pool)
         raise KvsimConfigError(

@@ -30,6 +30,7 @@ import numpy as np
 
 from sim.config.calibration import CalibrationProfile
 from sim.errors import KvsimConfigError
+from sim.interrupts import sigint_deferred, wait_first
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
 from sim.step_jitter import JitterSpec
@@ -210,8 +211,10 @@ def run_samples(
                 futures = [
                     pool.submit(_simulate_summary, spec, profile, f, j) for spec, f, j in jobs
                 ]
-                for future in futures:  # in sample order: the result does not depend on timing
-                    add(future.result())
+                with sigint_deferred() as interrupt:
+                    for future in futures:  # in sample order: the result does not depend on timing
+                        wait_first([future], interrupt)
+                        add(future.result())
             finally:
                 # Interrupted (Ctrl-C, a dashboard rerun): drop the samples not started
                 # rather than wait for them all.

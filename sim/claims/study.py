@@ -20,7 +20,7 @@ seed, so the report does not depend on the number of workers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ from sim.capacity import default_knob, find_capacity, get_field
 from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
 from sim.config.limits import MAX_NUM_GPU_BLOCKS, MAX_SECONDS
 from sim.errors import KvsimConfigError
+from sim.interrupts import sigint_deferred, wait_first
 from sim.scenario import Scenario, check_runnable, load_scenario
 from sim.sweep import die_with_parent
 
@@ -107,12 +108,12 @@ def _run_tasks(
             else:
                 future = pool.submit(run_task, str(path), task.overrides, task.group == "waste")
             futures[future] = task
-        while futures:
-            done, _ = wait(futures, return_when=FIRST_COMPLETED)
-            for future in done:
-                task = futures.pop(future)
-                results[(task.group, task.key)] = future.result()
-                on_done(task, results[(task.group, task.key)])
+        with sigint_deferred() as interrupt:
+            while futures:
+                for future in wait_first(futures, interrupt):
+                    task = futures.pop(future)
+                    results[(task.group, task.key)] = future.result()
+                    on_done(task, results[(task.group, task.key)])
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         for process in list((getattr(pool, "_processes", None) or {}).values()):
