@@ -130,6 +130,19 @@ class Request:
         # str hashing is salted per process).
         return zlib.crc32(f"{self.request_id}:{i}".encode()) & 0x7FFF
 
+    def sample_output_token(self) -> None:
+        """Append the token the (simulated) sampler emits next: the same token and block
+        hashes as ``append_output_token_id(next_output_token_id())``, in one call (every
+        decoding request, every step)."""
+        tokens = self.token_ids
+        planned = self._planned_output
+        if planned is None:
+            tokens.append(self.next_output_token_id())
+        else:
+            tokens.append(planned[len(tokens) - self.num_prompt_tokens])
+        if len(tokens) % self.block_size == 0:
+            self._hash_new_full_blocks()
+
     def append_output_token_id(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         if len(self.token_ids) % self.block_size == 0:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from sim.config.engine import EngineConfig
 from sim.kv.allocators import make_kv_manager
+from sim.kv.kv_cache_manager import KVCacheManager
 from sim.kv.offload import Offloader, num_offload_blocks
 from sim.kv.swap import Swapper, num_cpu_blocks
 from sim.request import Request, RequestStatus
@@ -163,15 +164,29 @@ class Scheduler:
         # 1. RUNNING requests.
         allocate_slots = kv.allocate_slots
         max_model_len = self.max_model_len
+        # A decode whose next slot lies in a block it holds and that fills no block to
+        # register: vLLM's allocate_slots does nothing for it. Told apart here, without the
+        # call, when allocate_slots is the plain one (no what-if wraps or replaces it).
+        plain = type(kv) is KVCacheManager and "allocate_slots" not in vars(kv)
+        tables = kv.req_to_blocks if plain else {}
+        num_cached = kv.num_cached_block if plain and kv.enable_caching else None
+        block_size = kv.block_size
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
+            computed = request.num_computed_tokens
+            num_new = len(request.token_ids) - computed
+            if num_new == 1 and computed + 2 <= max_model_len and plain:
+                request_id = request.request_id
+                if computed < len(tables[request_id]) * block_size and (
+                    num_cached is None or (computed + 1) // block_size <= num_cached[request_id]
+                ):
+                    num_scheduled[request_id] = 1
+                    token_budget -= 1
+                    req_index += 1
+                    continue
             num_new = running_chunk(
-                len(request.token_ids),
-                request.num_computed_tokens,
-                threshold,
-                token_budget,
-                max_model_len,
+                len(request.token_ids), computed, threshold, token_budget, max_model_len
             )
             if num_new <= 0:
                 req_index += 1
@@ -485,7 +500,7 @@ class Scheduler:
             num_tokens = len(request.token_ids)
             if request.num_computed_tokens < num_tokens:
                 continue  # a prefill chunk that did not reach the end samples nothing
-            request.append_output_token_id(request.next_output_token_id())
+            request.sample_output_token()
             sampled.append(request)
             num_tokens += 1
             if num_tokens - request.num_prompt_tokens >= request.max_tokens or (

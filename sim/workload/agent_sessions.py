@@ -159,7 +159,7 @@ class AgentSessionsWorkload(KvsimModel):
                     float(start_times_s[session_id]),
                     int(num_turns[session_id]),
                     self.priority_classes[int(class_ids[session_id])],
-                    prefix.copy(),
+                    prefix,
                     session_rngs[session_id],
                 )
             )
@@ -171,7 +171,7 @@ class AgentSessionsWorkload(KvsimModel):
         start_s: float,
         num_turns: int,
         cls: PriorityClass,
-        context: Context,
+        prefix: Context,
         rng: np.random.Generator,
     ) -> Generator[Any, Any, None]:
         env = sink.env
@@ -181,6 +181,8 @@ class AgentSessionsWorkload(KvsimModel):
             cap = min(cap, self.max_context_tokens)
         if start_s > env.now:
             yield env.timeout(start_s - env.now)
+        # Forked once the session starts: a session not started yet holds no copy.
+        context = prefix.copy()
         for turn in range(num_turns):
             piece_dist = self.user_message_tokens if turn == 0 else self.tool_result_tokens
             piece = tokens.take(_one(piece_dist.sample(rng, 1)))
@@ -235,6 +237,9 @@ class AgentSessionsWorkload(KvsimModel):
             # come back in call order, like the results of a parallel call.
             for event in done:
                 context.append(event.value.output_token_ids)
+            # Nothing of the finished turn is kept through the tool call: its requests hold
+            # a copy of the whole context.
+            del done, event, request, tasks, outputs
             if turn + 1 < num_turns:
                 yield env.timeout(float(self.tool_latency.sample(rng, 1)[0]))
 

@@ -8,6 +8,7 @@ drawn fresh, so two requests share exactly the prefixes the workload means them 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -19,6 +20,17 @@ DEFAULT_VOCAB_SIZE = 32_000
 # Ids below this are left out: most vocabularies put BOS/EOS/PAD and other specials there, and a
 # replay on real vLLM must not stop early on a sampled EOS in the prompt.
 MIN_TOKEN_ID = 10
+
+
+@functools.cache
+def token_objects(vocab_size: int) -> np.ndarray:
+    """The Python ints ``0 .. vocab_size - 1`` as an object array. Token lists taken through
+    it hold one shared int object per id, not one per token: an int above 256 is a 28-byte
+    object of its own, which made the token ids of a large agent run (every live session's
+    context, every queued prompt) its biggest memory cost."""
+    objects = np.empty(vocab_size, dtype=object)
+    objects[:] = range(vocab_size)
+    return objects
 
 
 class TokenSource:
@@ -33,8 +45,9 @@ class TokenSource:
         self.vocab_size = vocab_size
 
     def take(self, num_tokens: int) -> list[int]:
-        """``num_tokens`` fresh token ids, as a list (what :class:`Request` stores)."""
-        return self.take_array(num_tokens).tolist()
+        """``num_tokens`` fresh token ids, as a list (what :class:`Request` stores) of shared
+        int objects (see :func:`token_objects`)."""
+        return token_objects(self.vocab_size)[self.take_array(num_tokens)].tolist()
 
     def take_array(self, num_tokens: int) -> np.ndarray:
         """``num_tokens`` fresh token ids, as an int64 array."""

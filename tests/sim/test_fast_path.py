@@ -117,7 +117,9 @@ def assert_identical(fast: SimulationResult, reference: SimulationResult) -> Non
     pd.testing.assert_frame_equal(fast.steps, reference.steps, check_exact=True)
     assert parquet_bytes(fast.steps) == parquet_bytes(reference.steps)
     assert parquet_bytes(fast.requests) == parquet_bytes(reference.requests)
-    assert fast.requests["token_times_s"].tolist() == reference.requests["token_times_s"].tolist()
+    assert [t.tolist() for t in fast.requests["token_times_s"]] == [
+        t.tolist() for t in reference.requests["token_times_s"]
+    ]
     assert json.dumps(fast.summary, sort_keys=True) == json.dumps(reference.summary, sort_keys=True)
     assert fast.block_map.steps == reference.block_map.steps
     assert fast.block_map.times_s == reference.block_map.times_s
