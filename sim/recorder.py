@@ -308,7 +308,8 @@ class Recorder:
                     column, dtype=np.int64 if column.typecode == "q" else np.float64
                 ).copy()
                 for name, column in self.steps.items()
-            }
+            },
+            copy=False,  # the copies above are the frame's own
         )
 
 

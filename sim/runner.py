@@ -191,7 +191,7 @@ def simulate(
         requests = fleet_requests(
             [r.recorder.requests_frame() for r in replicas], dispatcher.assignments
         )
-        steps = fleet_steps([r.recorder.steps_frame() for r in replicas])
+        steps = fleet_steps([r.recorder.steps for r in replicas])
         end_s = float((steps["start_s"] + steps["duration_s"]).max()) if len(steps) else 0.0
     duration_s = limit_s if truncated else end_s
     provenance = {

@@ -189,6 +189,9 @@ def test_a_bad_fleet_section_is_refused_naming_the_field(
 
 
 def test_merged_requests_follow_the_fleet_submit_order() -> None:
+    from array import array
+
+    import numpy as np
     import pandas as pd
 
     from sim.fleet.outputs import fleet_requests, fleet_steps
@@ -202,8 +205,15 @@ def test_merged_requests_follow_the_fleet_submit_order() -> None:
     merged = fleet_requests(frames, [1, 0, 1, 2, 0])
     assert merged["request_id"].tolist() == ["a", "b", "c", "d", "e"]
     assert merged["replica"].tolist() == [1, 0, 1, 2, 0]
+    # Each replica's step columns (a recorder's arrays); equal starts keep replica order.
     steps = fleet_steps(
-        [pd.DataFrame({"start_s": [0.0, 2.0]}), pd.DataFrame({"start_s": [1.0, 2.0]})]
+        [
+            {"step": array("q", [1, 2]), "start_s": array("d", [0.0, 2.0])},
+            {"step": array("q", []), "start_s": array("d", [])},
+            {"step": array("q", [1, 2]), "start_s": array("d", [1.0, 2.0])},
+        ]
     )
     assert steps["start_s"].tolist() == [0.0, 1.0, 2.0, 2.0]
-    assert steps["replica"].tolist() == [0, 1, 0, 1]
+    assert steps["step"].tolist() == [1, 1, 2, 2]
+    assert steps["replica"].tolist() == [0, 2, 0, 2]
+    assert list(steps.dtypes) == [np.int64, np.float64, np.int64]
