@@ -299,9 +299,8 @@ class Recorder:
         return pd.DataFrame.from_records(rows, columns=REQUEST_COLUMNS)
 
     def steps_frame(self) -> pd.DataFrame:
-        """One row per engine step (int64 and float64 columns, as in ``steps.parquet``)."""
-        if not len(self.steps["step"]):
-            return pd.DataFrame({name: [] for name in self.steps})
+        """One row per engine step (int64 and float64 columns, as in ``steps.parquet``;
+        typed even when no step ran)."""
         return pd.DataFrame(
             {
                 name: np.frombuffer(

@@ -40,7 +40,7 @@ import pandas as pd
 
 from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError, short_repr
-from sim.interrupts import sigint_deferred, wait_first
+from sim.interrupts import completed, sigint_deferred
 from sim.scenario import check_runnable, load_scenario
 
 SWEEP_FILE = "sweep.json"
@@ -339,17 +339,15 @@ def _run_locally(
     on_point: Callable[[Point, str | None], None] | None,
 ) -> None:
     pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), initializer=die_with_parent)
-    futures: dict[Future[str | None], Point] = {
-        pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p for p in pending
-    }
     try:
         with sigint_deferred() as interrupt:
-            while futures:
-                for future in wait_first(futures, interrupt):
-                    point = futures.pop(future)
-                    error = future.result()
-                    if on_point is not None:
-                        on_point(point, error)
+            futures: dict[Future[str | None], Point] = {
+                pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p for p in pending
+            }
+            for future in completed(futures, interrupt):
+                error = future.result()
+                if on_point is not None:
+                    on_point(futures[future], error)
     except BrokenProcessPool:
         _stop(pool)
         raise KvsimConfigError(

@@ -30,7 +30,7 @@ import numpy as np
 
 from sim.config.calibration import CalibrationProfile
 from sim.errors import KvsimConfigError
-from sim.interrupts import sigint_deferred, wait_first
+from sim.interrupts import result_of, sigint_deferred
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
 from sim.step_jitter import JitterSpec
@@ -208,13 +208,12 @@ def run_samples(
             # server) whose locks a forked child would inherit held.
             pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
             try:
-                futures = [
-                    pool.submit(_simulate_summary, spec, profile, f, j) for spec, f, j in jobs
-                ]
                 with sigint_deferred() as interrupt:
+                    futures = [
+                        pool.submit(_simulate_summary, spec, profile, f, j) for spec, f, j in jobs
+                    ]
                     for future in futures:  # in sample order: the result does not depend on timing
-                        wait_first([future], interrupt)
-                        add(future.result())
+                        add(result_of(future, interrupt))
             finally:
                 # Interrupted (Ctrl-C, a dashboard rerun): drop the samples not started
                 # rather than wait for them all.

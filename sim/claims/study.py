@@ -29,7 +29,7 @@ from sim.capacity import default_knob, find_capacity, get_field
 from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
 from sim.config.limits import MAX_NUM_GPU_BLOCKS, MAX_SECONDS
 from sim.errors import KvsimConfigError
-from sim.interrupts import sigint_deferred, wait_first
+from sim.interrupts import completed, sigint_deferred
 from sim.scenario import Scenario, check_runnable, load_scenario
 from sim.sweep import die_with_parent
 
@@ -102,18 +102,17 @@ def _run_tasks(
     )
     futures: dict[Future[dict[str, Any]], Task] = {}
     try:
-        for task in tasks:
-            if task.kind == "capacity":
-                future = pool.submit(capacity_task, str(path), task.overrides)
-            else:
-                future = pool.submit(run_task, str(path), task.overrides, task.group == "waste")
-            futures[future] = task
         with sigint_deferred() as interrupt:
-            while futures:
-                for future in wait_first(futures, interrupt):
-                    task = futures.pop(future)
-                    results[(task.group, task.key)] = future.result()
-                    on_done(task, results[(task.group, task.key)])
+            for task in tasks:
+                if task.kind == "capacity":
+                    future = pool.submit(capacity_task, str(path), task.overrides)
+                else:
+                    future = pool.submit(run_task, str(path), task.overrides, task.group == "waste")
+                futures[future] = task
+            for future in completed(futures, interrupt):
+                task = futures[future]
+                results[(task.group, task.key)] = future.result()
+                on_done(task, results[(task.group, task.key)])
     except BaseException:
         pool.shutdown(wait=False, cancel_futures=True)
         for process in list((getattr(pool, "_processes", None) or {}).values()):

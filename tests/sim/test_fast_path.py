@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 import sim.engine
 from sim.engine import delay_to
+from sim.kv.kv_cache_manager import KVCacheManager
 from sim.recorder import Recorder
 from sim.runner import SimulationResult, simulate
 from sim.scenario import parse_scenario
@@ -244,30 +245,87 @@ def stretch_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return counted
 
 
+DECODE_HEAVY: dict[str, Any] = {
+    "name": "decode-heavy",
+    "seed": 3,
+    "model": "Llama-3.1-8B",
+    "hardware": "H100-SXM-80GB",
+    "engine": {"max_model_len": 4096, "block_size": 16},
+    "workload": {
+        "kind": "agent_sessions",
+        "sessions": 8,
+        "session_arrival": {"kind": "poisson", "rate_per_s": 2.0},
+        "turns": {"kind": "fixed", "value": 3},
+        "system_prompt_tokens": 200,
+        "tool_schema_tokens": 50,
+        "user_message_tokens": {"kind": "fixed", "value": 40},
+        "tool_result_tokens": {"kind": "fixed", "value": 100},
+        "output_tokens": {"kind": "uniform", "low": 100, "high": 300},
+        "tool_latency": {"kind": "fixed", "value_s": 0.5},
+        "max_context_tokens": 4096,
+    },
+}
+
+
+def counting_grows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter of KVCacheManager._grow calls (allocate_slots for a running request)."""
+    grows = [0]
+    grow = KVCacheManager._grow
+
+    def counted_grow(self: KVCacheManager, *args: Any) -> Any:
+        grows[0] += 1
+        return grow(self, *args)
+
+    monkeypatch.setattr(KVCacheManager, "_grow", counted_grow)
+    return grows
+
+
+def calling_allocate_slots_always(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """KV managers whose ``allocate_slots`` is an instance attribute, so that
+    Scheduler.schedule calls it for every running request (no decode shortcut); returns a
+    counter of ``_grow`` calls."""
+    init = KVCacheManager.__init__
+
+    def plain_init(self: KVCacheManager, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        self.allocate_slots = self.allocate_slots  # type: ignore[method-assign]
+
+    monkeypatch.setattr(KVCacheManager, "__init__", plain_init)
+    return counting_grows(monkeypatch)
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios())
+def test_the_schedulers_decode_shortcut_changes_nothing(raw: dict[str, Any]) -> None:
+    # Scheduler.schedule skips allocate_slots for a decode that needs no block and fills
+    # none; the reference path takes that shortcut too, so it is checked against calls.
+    scenario = parse_scenario(raw, "decode-shortcut")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        calling_allocate_slots_always(monkeypatch)
+        called = simulate(scenario, exact_reference=True)
+    assert_identical(simulate(scenario, exact_reference=True), called)
+
+
+def test_the_decode_shortcut_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    scenario = parse_scenario(DECODE_HEAVY, "decode-heavy")
+    with monkeypatch.context() as patch:
+        shortcut = counting_grows(patch)
+        simulate(scenario, exact_reference=True)
+    with monkeypatch.context() as patch:
+        always = calling_allocate_slots_always(patch)
+        simulate(scenario, exact_reference=True)
+    # One block in 16 tokens: most decodes need no allocate_slots call.
+    assert 0 < shortcut[0] < always[0] / 4
+
+
 def test_a_decode_heavy_run_goes_mostly_through_stretches_with_identical_results(
     stretch_counter: list[int],
 ) -> None:
-    raw = {
-        "name": "decode-heavy",
-        "seed": 3,
-        "model": "Llama-3.1-8B",
-        "hardware": "H100-SXM-80GB",
-        "engine": {"max_model_len": 4096, "block_size": 16},
-        "workload": {
-            "kind": "agent_sessions",
-            "sessions": 8,
-            "session_arrival": {"kind": "poisson", "rate_per_s": 2.0},
-            "turns": {"kind": "fixed", "value": 3},
-            "system_prompt_tokens": 200,
-            "tool_schema_tokens": 50,
-            "user_message_tokens": {"kind": "fixed", "value": 40},
-            "tool_result_tokens": {"kind": "fixed", "value": 100},
-            "output_tokens": {"kind": "uniform", "low": 100, "high": 300},
-            "tool_latency": {"kind": "fixed", "value_s": 0.5},
-            "max_context_tokens": 4096,
-        },
-    }
-    scenario = parse_scenario(raw, "decode-heavy")
+    scenario = parse_scenario(DECODE_HEAVY, "decode-heavy")
     fast = simulate(scenario)
     num_steps = fast.summary["metrics"]["num_steps"]
     assert stretch_counter, "no stretch was taken"
