@@ -47,7 +47,11 @@ class TokenSource:
     def take(self, num_tokens: int) -> list[int]:
         """``num_tokens`` fresh token ids, as a list (what :class:`Request` stores) of shared
         int objects (see :func:`token_objects`)."""
-        return token_objects(self.vocab_size)[self.take_array(num_tokens)].tolist()
+        return self.as_list(self.take_array(num_tokens))
+
+    def as_list(self, token_ids: np.ndarray) -> list[int]:
+        """Token ids below ``vocab_size`` (an int array) as a list of shared int objects."""
+        return token_objects(self.vocab_size)[token_ids].tolist()
 
     def take_array(self, num_tokens: int) -> np.ndarray:
         """``num_tokens`` fresh token ids, as an int64 array."""

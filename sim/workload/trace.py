@@ -35,13 +35,7 @@ from sim.errors import KvsimConfigError, short_repr
 from sim.request import Request
 from sim.workload.base import RequestMeta, RequestSink
 from sim.workload.distributions import stash, stashed
-from sim.workload.tokens import (
-    DEFAULT_VOCAB_SIZE,
-    MIN_TOKEN_ID,
-    HashIdTokens,
-    TokenSource,
-    token_objects,
-)
+from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, HashIdTokens, TokenSource
 
 TraceFormat = Literal["jsonl", "csv"]
 TimestampUnit = Literal["s", "ms"]
@@ -369,8 +363,7 @@ class TraceWorkload(KvsimModel):
             unique = tokens.take_array(record.input_length - len(shared))
             request = Request(
                 f"req-{i}",
-                # Shared int objects (token_objects): a trace's prompts are long.
-                token_objects(tokens.vocab_size)[np.concatenate((shared, unique))].tolist(),
+                tokens.as_list(np.concatenate((shared, unique))),
                 max_tokens=record.output_length,
                 block_size=sink.block_size,
                 arrival_time_s=env.now,
