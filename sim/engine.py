@@ -25,6 +25,16 @@ token) and every step that admits or preempts go through
 reference the fast path is tested against (``tests/sim/test_fast_path.py``): both give
 identical step and request tables.
 
+A stretch is planned whole when it starts: its tokens and step rows are written then; its
+new blocks, cache registrations and finishes are applied when it has run
+(:meth:`Engine._end_stretch`). One engine bounds a stretch by the clock's next event. A
+fleet's replica does not: on a shared clock that event is mostly another replica's step.
+It sleeps through the stretch step by step, as the reference does, and when a request was
+submitted to it during a step, it ends the stretch after that step (its later steps are
+taken back: tokens, rows, token times), so the scheduler sees the request exactly when the
+step-by-step path would. Nothing else a fleet does changes what a replica's scheduler
+decides, and the router reads only the step rows that have ended.
+
 Swap preemption (a what-if, ``engine.preemption_mode=swap``): a step that copies KV blocks
 between HBM and the CPU swap pool lasts the model's time plus the copies' time (the cost
 model's ``kv_transfer_time_s``: bytes over PCIe bandwidth x its transfer efficiency, swap-outs
@@ -36,7 +46,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import simpy
 
@@ -56,6 +66,19 @@ class StepCost(Protocol):
     ) -> float: ...
 
     def kv_transfer_time_s(self, num_blocks: int, bytes_per_block: int) -> float: ...
+
+
+class _Stretch(NamedTuple):
+    """A planned stretch whose blocks, registrations and finishes are not applied yet."""
+
+    first_step: int
+    decoders: list[Request]
+    chunked: Request | None  # the last running request, computing prefill chunks
+    chunks: list[int]  # its chunk per step (empty: every request decodes)
+    pops: list[tuple[int, int]]  # new blocks, (step, running index), in vLLM's order
+    prefill_context0: int  # the chunked request's computed tokens before the stretch
+    ends: list[float]  # each step's end time
+    since_prefill: int  # steps since the last prefill step, before the stretch
 
 
 def delay_to(now_s: float, target_s: float) -> float | None:
@@ -109,7 +132,15 @@ class Engine(SinkBase):
         # a prefill was in the batch (False, True).
         self.num_stretch_undos = [0, 0]
         self.num_stretch_replays = [0, 0]
+        # Stretches a submit cut short (a fleet's replica), by the same split.
+        self.num_stretch_cuts = [0, 0]
         self._stretch_end_s = 0.0
+        # A fleet's replica: a stretch is not bounded by the clock's next event (most are
+        # other replicas' steps) but cut after the step in which a request is submitted
+        # to this engine, the only event that changes what its scheduler would do.
+        self.cut_by_submits = False
+        self._submitted = False
+        self._stretch: _Stretch | None = None  # planned, its blocks not applied yet
         self._done: dict[str, simpy.Event] = {}
         self.process = env.process(self._run())
 
@@ -119,6 +150,7 @@ class Engine(SinkBase):
         self.scheduler.add_request(request)
         self.scheduler.kv_cache_manager.on_arrival(request)  # KV retention's session hint
         self.recorder.on_arrival(request, meta, self._env.now)
+        self._submitted = True
         done = self._env.event()
         self._done[request.request_id] = done
         self._wake()
@@ -142,17 +174,24 @@ class Engine(SinkBase):
                 after_idle = True
                 continue
             if fast and not after_idle:
-                stretch = self._plan_stretch(since_prefill)
-                if stretch is not None:
-                    durations, since_prefill, finished = stretch
+                durations = self._plan_stretch(since_prefill)
+                if durations is not None:
                     end_s = self._stretch_end_s
-                    delay = delay_to(env.now, end_s)
+                    num_steps = len(durations)
+                    delay = None if self.cut_by_submits else delay_to(env.now, end_s)
                     if delay is not None:
                         yield env.timeout(delay)
                     else:  # step by step, as the reference adds them up
-                        for duration_s in durations:
+                        self._submitted = False
+                        for k, duration_s in enumerate(durations):
                             yield env.timeout(duration_s)
-                    assert env.now == end_s
+                            if self._submitted and self.cut_by_submits:
+                                # A request arrived during step k: the step after it
+                                # goes through the scheduler, which sees it.
+                                num_steps = k + 1
+                                break
+                    since_prefill, finished = self._end_stretch(num_steps)
+                    assert env.now == self._stretch_end_s
                     for request in finished:
                         done.pop(request.request_id).succeed(request)
                     continue
@@ -208,12 +247,14 @@ class Engine(SinkBase):
                 done.pop(request.request_id).succeed(request)
 
     # -- stretches ---------------------------------------------------------------------------------
-    def _plan_stretch(self, since_prefill: int) -> tuple[list[float], int, list[Request]] | None:
-        """Advance a stretch in bulk if one starts now (see the module docstring).
+    def _plan_stretch(self, since_prefill: int) -> list[float] | None:
+        """Plan a stretch if one starts now (see the module docstring): its tokens and step
+        rows are written ahead; its blocks, cache registrations and finishes wait for
+        :meth:`_end_stretch` (at once for one engine; once it has run for a fleet's
+        replica, which a submit may cut short).
 
-        Returns (its step durations, steps since prefill after it, requests finished in its
-        last step) and sets ``_stretch_end_s``, or None when the next step must go through
-        the scheduler.
+        Returns its step durations and sets ``_stretch_end_s``, or None when the next step
+        must go through the scheduler.
         """
         scheduler = self.scheduler
         running = scheduler.running
@@ -296,7 +337,7 @@ class Engine(SinkBase):
         # a step would end past the horizon. Timed first: a stretch cut short here costs no
         # block planning.
         env = self._env
-        next_event_s = env.peek()
+        next_event_s = math.inf if self.cut_by_submits else env.peek()
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
         jitter = self.jitter
@@ -378,12 +419,8 @@ class Engine(SinkBase):
                 del starts[num_steps:], ends[num_steps:], durations[num_steps:]
                 pops = [pop for pop in pops if pop[0] < num_steps]
         del chunks[num_steps:], pairs[num_steps:]
-        if chunks:
-            since_prefill = 0
-        elif since_prefill >= 0:
-            since_prefill += num_steps
 
-        # Apply: tokens, blocks and cache registrations, in vLLM's order.
+        # Tokens first (a decode's next tokens complete the blocks the stretch registers).
         num_hashes = [len(request.block_hashes) for request in decoders]
         for request in decoders:
             request.append_output_token_ids(num_steps)
@@ -392,77 +429,138 @@ class Engine(SinkBase):
         if chunked is not None:
             prefill_context0 = chunked.num_computed_tokens
             chunked.num_computed_tokens += sum(chunks)
+        if kv.enable_caching and head_miss is not None and head_miss in self._new_hashes(running):
+            # The queue's head would hit this block once registered: undo, step by step.
+            for request, n in zip(decoders, num_hashes, strict=True):
+                del request.token_ids[-num_steps:], request.block_hashes[n:]
+                request.num_computed_tokens -= num_steps
+            if chunked is not None:
+                chunked.num_computed_tokens = prefill_context0
+            self.num_stretch_undos[chunked is not None] += 1
+            return None
         pops_by_step = [0] * num_steps
-        if kv.enable_caching:
-            num_cached = kv.num_cached_block
-            new_hashes: list[int] = []
-            for request in running:
-                new_hashes += request.block_hashes[
-                    num_cached[request.request_id] : request.num_computed_tokens // block_size
-                ]
-            if head_miss is not None and head_miss in new_hashes:
-                # The queue's head would hit this block once registered: undo, step by step.
-                for request, n in zip(decoders, num_hashes, strict=True):
-                    del request.token_ids[-num_steps:], request.block_hashes[n:]
-                    request.num_computed_tokens -= num_steps
-                if chunked is not None:
-                    chunked.num_computed_tokens = prefill_context0
-                self.num_stretch_undos[chunked is not None] += 1
-                return None
-            self._apply_blocks_caching(running, pops, pops_by_step, new_hashes, chunks)
-        else:
-            new_blocks = pool.get_new_blocks(len(pops)) if pops else []
-            for (k, index), block in zip(pops, new_blocks, strict=True):
-                tables[running[index].request_id].append(block)
-                pops_by_step[k] += 1
+        for k, _ in pops:
+            pops_by_step[k] += 1
         kv_free_counts: list[int] = []
         free = num_free
         for n in pops_by_step:
             free -= n
             kv_free_counts.append(free)
-        scheduler.num_steps += num_steps
-        self.num_stretches += 1
-        self.num_stretch_steps += num_steps
-        if chunks:
-            self.num_prefill_stretch_steps += num_steps
-
-        # The last step may finish decodes: as update_from_output, in running order.
-        finished: list[Request] = []
-        requests = scheduler.requests
-        for request in decoders:
-            num_tokens = len(request.token_ids)
-            if (
-                num_tokens - request.num_prompt_tokens >= request.max_tokens
-                or num_tokens >= max_model_len
-            ):
-                request.mark_finished()
-                kv.free(request)
-                del requests[request.request_id]
-                finished.append(request)
-        if finished:
-            gone = {id(r) for r in finished}
-            scheduler.running = [r for r in running if id(r) not in gone]
-        recorder.on_stretch(
+        # The step rows, ahead (a fleet's router reads those that ended before now).
+        self.recorder.on_stretch(
             first_step,
             starts,
             ends,
             StretchBatch(decoders, decode_context0, chunks, pairs, prefill_context0),
-            finished,
             num_held,
             pops_by_step,
             kv_free_counts,
             pool.num_gpu_blocks,
             len(scheduler.waiting),
-            scheduler,
+        )
+        self._stretch = _Stretch(
+            first_step, decoders, chunked, chunks, pops, prefill_context0, ends, since_prefill
         )
         self._stretch_end_s = ends[-1]
-        return durations, since_prefill, finished
+        return durations
+
+    def _new_hashes(self, running: list[Request]) -> list[int]:
+        """The hashes of the blocks the running requests filled and have not registered,
+        in running order (a stretch's registrations)."""
+        num_cached = self.scheduler.kv_cache_manager.num_cached_block
+        block_size = self.block_size
+        new_hashes: list[int] = []
+        for request in running:
+            new_hashes += request.block_hashes[
+                num_cached[request.request_id] : request.num_computed_tokens // block_size
+            ]
+        return new_hashes
+
+    def _end_stretch(self, num_steps: int) -> tuple[int, list[Request]]:
+        """Apply the planned stretch's first ``num_steps`` steps (all of them unless a
+        submit cut it short; the rest are taken back): new blocks and cache registrations
+        in vLLM's order, then the finishes of its last step. Returns (steps since prefill
+        after it, requests finished)."""
+        stretch = self._stretch
+        assert stretch is not None
+        self._stretch = None
+        scheduler = self.scheduler
+        kv = scheduler.kv_cache_manager
+        running = scheduler.running
+        decoders = stretch.decoders
+        chunks = stretch.chunks
+        pops = stretch.pops
+        planned = len(stretch.ends)
+        if num_steps < planned:
+            cut = planned - num_steps
+            block_size = self.block_size
+            for request in decoders:
+                del request.token_ids[-cut:]
+                del request.block_hashes[len(request.token_ids) // block_size :]
+                request.num_computed_tokens -= cut
+            if stretch.chunked is not None:
+                del chunks[num_steps:]
+                stretch.chunked.num_computed_tokens = stretch.prefill_context0 + sum(chunks)
+            pops = [pop for pop in pops if pop[0] < num_steps]
+            self.recorder.cut_stretch(cut, decoders)
+            self.num_stretch_cuts[stretch.chunked is not None] += 1
+            self._stretch_end_s = stretch.ends[num_steps - 1]
+        if kv.enable_caching:
+            self._apply_blocks_caching(running, pops, num_steps, self._new_hashes(running), chunks)
+        else:
+            tables = kv.req_to_blocks
+            new_blocks = kv.block_pool.get_new_blocks(len(pops)) if pops else []
+            for (_, index), block in zip(pops, new_blocks, strict=True):
+                tables[running[index].request_id].append(block)
+        scheduler.num_steps += num_steps
+        self.num_stretches += 1
+        self.num_stretch_steps += num_steps
+        since_prefill = stretch.since_prefill
+        if chunks:
+            self.num_prefill_stretch_steps += num_steps
+            since_prefill = 0
+        elif since_prefill >= 0:
+            since_prefill += num_steps
+
+        # The last step may finish decodes: as update_from_output, in running order. Their
+        # slots leave the step's unused count, which was written ahead.
+        finished: list[Request] = []
+        freed_unused = 0
+        if num_steps == planned:
+            requests = scheduler.requests
+            max_model_len = scheduler.max_model_len
+            tables = kv.req_to_blocks
+            block_size = self.block_size
+            for request in decoders:
+                num_tokens = len(request.token_ids)
+                if (
+                    num_tokens - request.num_prompt_tokens >= request.max_tokens
+                    or num_tokens >= max_model_len
+                ):
+                    freed_unused += (
+                        len(tables[request.request_id]) * block_size - request.num_computed_tokens
+                    )
+                    request.mark_finished()
+                    kv.free(request)
+                    del requests[request.request_id]
+                    finished.append(request)
+            if finished:
+                gone = {id(r) for r in finished}
+                scheduler.running = [r for r in running if id(r) not in gone]
+        self.recorder.on_stretch_end(
+            stretch.first_step + num_steps - 1,
+            self._stretch_end_s,
+            finished,
+            freed_unused,
+            scheduler,
+        )
+        return since_prefill, finished
 
     def _apply_blocks_caching(
         self,
         running: list[Request],
         pops: list[tuple[int, int]],
-        pops_by_step: list[int],
+        num_steps: int,
         new_hashes: list[int],
         chunks: list[int],
     ) -> None:
@@ -487,9 +585,8 @@ class Engine(SinkBase):
             new_hashes
         ):
             if pops:
-                for (k, index), block in zip(pops, pool.get_new_blocks(len(pops)), strict=True):
+                for (_, index), block in zip(pops, pool.get_new_blocks(len(pops)), strict=True):
                     tables[running[index].request_id].append(block)
-                    pops_by_step[k] += 1
             if new_hashes:
                 for request in running:
                     kv.cache_blocks(request, request.num_computed_tokens)
@@ -498,7 +595,6 @@ class Engine(SinkBase):
         # Events (step, running index, kind, tokens): kind 0 = a new block popped, kind 1 =
         # full blocks registered up to that many computed tokens (a decode's at once if
         # already past: k clamps to 0; the prefill's after each of its chunks).
-        num_steps = len(pops_by_step)
         events: list[tuple[int, int, int, int]] = [(k, index, 0, 0) for k, index in pops]
         decoders = running[:-1] if chunks else running
         for index, request in enumerate(decoders):
@@ -515,10 +611,9 @@ class Engine(SinkBase):
                 events.append((k, len(decoders), 1, computed))
         events.sort()
         get_new_blocks = pool.get_new_blocks
-        for k, index, kind, num_tokens in events:
+        for _, index, kind, num_tokens in events:
             request = running[index]
             if kind == 0:
                 tables[request.request_id] += get_new_blocks(1)
-                pops_by_step[k] += 1
             else:
                 kv.cache_blocks(request, num_tokens)

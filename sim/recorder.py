@@ -189,17 +189,16 @@ class Recorder:
         starts: Sequence[float],
         ends: Sequence[float],
         batch: StretchBatch,
-        finished: Sequence[Request],
         num_held_blocks: int,
         new_blocks_by_step: Sequence[int],
         free_blocks_by_step: Sequence[int],
         num_gpu_blocks: int,
         num_waiting: int,
-        scheduler: Scheduler,
     ) -> None:
-        """Record a stretch (see ``sim.engine``): ``len(starts)`` steps of the same batch,
-        the rows :meth:`on_step` would have written one step at a time. ``finished``
-        finished in the last step; ``scheduler`` is in its state after that step."""
+        """Record a stretch (see ``sim.engine``) when it is planned: ``len(starts)`` steps
+        of the same batch, the rows :meth:`on_step` would have written one step at a time
+        (the last step's unused slots still count the requests it finishes: see
+        :meth:`on_stretch_end`), and its decodes' token times."""
         assert not self._swap_columns, "a swap-preemption run takes no stretches"
         num_steps = len(starts)
         decoders = batch.decoders
@@ -211,9 +210,6 @@ class Recorder:
         records = self.requests
         for request in decoders:
             records[request.request_id].token_times_s.extend(ends)
-        end_s = ends[-1]
-        for request in finished:
-            self.on_finished(request, end_s)
         zeros = array("q", bytes(8 * num_steps))
         steps["step"].extend(range(first_step, first_step + num_steps))
         steps["start_s"].extend(starts)
@@ -237,25 +233,41 @@ class Recorder:
         for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
             steps[name].extend(zeros)
         steps["resumed_prefix_cache_hits"].extend(zeros)
-        # Unused slots after each step: held blocks x block_size - computed tokens. The last
-        # step is read off the scheduler (its finished requests are gone from the batch).
+        # Unused slots after each step: held blocks x block_size - computed tokens.
         unused = steps["kv_unused_slots"]
         held = num_held_blocks
         computed = context0 + batch.prefill_context0
-        for k, new_blocks in enumerate(new_blocks_by_step[:-1]):
+        for k, new_blocks in enumerate(new_blocks_by_step):
             held += new_blocks
             computed += num_decode + (chunks[k] if chunks else 0)
             unused.append(held * block_size - computed)
-        tables = scheduler.kv_cache_manager.req_to_blocks
-        still_running = scheduler.running
-        unused.append(
-            sum(len(tables[r.request_id]) for r in still_running) * block_size
-            - sum(r.num_computed_tokens for r in still_running)
-        )
+
+    def cut_stretch(self, num_steps: int, decoders: Sequence[Request]) -> None:
+        """Take back the last ``num_steps`` steps of the stretch just recorded (a fleet's
+        replica: a request was submitted to it before they started)."""
+        for column in self.steps.values():
+            _drop_last(column, num_steps)
+        records = self.requests
+        for request in decoders:
+            _drop_last(records[request.request_id].token_times_s, num_steps)
+
+    def on_stretch_end(
+        self,
+        last_step: int,
+        end_s: float,
+        finished: Sequence[Request],
+        freed_unused_slots: int,
+        scheduler: Scheduler,
+    ) -> None:
+        """The recorded stretch has run and its blocks are applied: ``finished`` finished
+        in its last step, freeing ``freed_unused_slots`` of that step's unused slots;
+        ``scheduler`` is in its state after that step."""
+        for request in finished:
+            self.on_finished(request, end_s)
+        if freed_unused_slots:
+            self.steps["kv_unused_slots"][-1] -= freed_unused_slots
         if self.block_map is not None:
-            self.block_map.maybe_snapshot(
-                first_step + num_steps - 1, end_s, scheduler, self._class_of
-            )
+            self.block_map.maybe_snapshot(last_step, end_s, scheduler, self._class_of)
 
     def _class_of(self, request_id: str) -> str:
         return self.requests[request_id].meta.priority_class
@@ -310,6 +322,19 @@ class Recorder:
             },
             copy=False,  # the copies above are the frame's own
         )
+
+
+def _drop_last(column: array, num_values: int) -> None:
+    """Drop the last ``num_values`` values of ``column`` in place, keeping its buffer: an
+    array reallocates to shrink when 16 or more values go at once, and the stretch written
+    next grows it again (copying a step column of a long run, every time a fleet's
+    replica cuts a stretch short)."""
+    end = len(column)
+    while num_values > 0:
+        n = min(num_values, 15)
+        del column[end - n : end]
+        end -= n
+        num_values -= n
 
 
 REQUEST_COLUMNS = [

@@ -156,6 +156,9 @@ def simulate(
     if fleet is not None:
         router = build_router(fleet.router, fleet.replicas, sizing.num_gpu_blocks)
         dispatcher = FleetDispatcher(env, replicas, router, fleet.router.view_delay_s)
+        for replica in replicas:
+            # The clock's next event is mostly another replica's step (see sim.engine).
+            replica.engine.cut_by_submits = True
     workload = build_workload(scenario.workload, scenario.seed)
     rng = np.random.default_rng(scenario.seed)
     workload.start(dispatcher or replicas[0].engine, rng)

@@ -1,8 +1,28 @@
-"""Print how many cases the input fuzzer (tests/sim/test_fuzz_inputs.py) ran."""
+"""Print how many cases the input fuzzer (tests/sim/test_fuzz_inputs.py) ran; the
+``engines`` fixture."""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
+
+import pytest
+
+import sim.engine
+
+
+@pytest.fixture
+def engines(monkeypatch: pytest.MonkeyPatch) -> list[sim.engine.Engine]:
+    """The engines the test's simulations build."""
+    built: list[sim.engine.Engine] = []
+    init = sim.engine.Engine.__init__
+
+    def keep(self: sim.engine.Engine, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        built.append(self)
+
+    monkeypatch.setattr(sim.engine.Engine, "__init__", keep)
+    return built
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -158,19 +158,19 @@ def states_after_steps(
     step of every stretch, by step number."""
     states: dict[int, tuple[Any, ...]] = {}
     on_step = Recorder.on_step
-    on_stretch = Recorder.on_stretch
+    on_stretch_end = Recorder.on_stretch_end
 
     def step(self: Recorder, output: Any, update: Any, *args: Any) -> None:
         on_step(self, output, update, *args)
         states[output.step] = pool_state(args[-1])
 
-    def stretch(self: Recorder, first_step: int, starts: Any, *args: Any) -> None:
-        on_stretch(self, first_step, starts, *args)
-        states[first_step + len(starts) - 1] = pool_state(args[-1])
+    def stretch_end(self: Recorder, last_step: int, *args: Any) -> None:
+        on_stretch_end(self, last_step, *args)
+        states[last_step] = pool_state(args[-1])
 
     with monkeypatch.context() as patch:
         patch.setattr(Recorder, "on_step", step)
-        patch.setattr(Recorder, "on_stretch", stretch)
+        patch.setattr(Recorder, "on_stretch_end", stretch_end)
         simulate(scenario, exact_reference=exact)
     return states
 
@@ -233,15 +233,14 @@ def test_prefill_stretches_give_the_step_by_step_results(raw: dict[str, Any]) ->
 def stretch_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Steps the engines of the test ran as stretches (decode and prefill)."""
     counted: list[int] = []
-    plan = sim.engine.Engine._plan_stretch
+    end = sim.engine.Engine._end_stretch
 
-    def counting(self: sim.engine.Engine, since_prefill: int) -> Any:
-        stretch = plan(self, since_prefill)
-        if stretch is not None:
-            counted.append(self.num_stretch_steps)
-        return stretch
+    def counting(self: sim.engine.Engine, num_steps: int) -> Any:
+        ended = end(self, num_steps)
+        counted.append(self.num_stretch_steps)
+        return ended
 
-    monkeypatch.setattr(sim.engine.Engine, "_plan_stretch", counting)
+    monkeypatch.setattr(sim.engine.Engine, "_end_stretch", counting)
     return counted
 
 
@@ -331,20 +330,6 @@ def test_a_decode_heavy_run_goes_mostly_through_stretches_with_identical_results
     assert stretch_counter, "no stretch was taken"
     assert stretch_counter[-1] > num_steps // 2
     assert_identical(fast, simulate(scenario, exact_reference=True))
-
-
-@pytest.fixture
-def engines(monkeypatch: pytest.MonkeyPatch) -> list[sim.engine.Engine]:
-    """The engines the test's simulations build."""
-    built: list[sim.engine.Engine] = []
-    init = sim.engine.Engine.__init__
-
-    def keep(self: sim.engine.Engine, *args: Any, **kwargs: Any) -> None:
-        init(self, *args, **kwargs)
-        built.append(self)
-
-    monkeypatch.setattr(sim.engine.Engine, "__init__", keep)
-    return built
 
 
 # With a 96-token long-prefill cap under a 256-token budget a chunk leaves budget to admit

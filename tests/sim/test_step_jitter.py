@@ -97,16 +97,14 @@ def test_a_jittered_fleet_gives_the_step_by_step_results(raw: dict[str, Any]) ->
 
 def test_a_jittered_run_still_takes_stretches(monkeypatch: pytest.MonkeyPatch) -> None:
     scenario = parse_scenario(agents(replicas=2, router={"kind": "round_robin"}), "stretches")
-    plan = sim.engine.Engine._plan_stretch
+    end = sim.engine.Engine._end_stretch
     taken: list[int] = []
 
-    def counting(self: sim.engine.Engine, since_prefill: int) -> Any:
-        stretch = plan(self, since_prefill)
-        if stretch is not None:
-            taken.append(len(stretch[0]))
-        return stretch
+    def counting(self: sim.engine.Engine, num_steps: int) -> Any:
+        taken.append(num_steps)
+        return end(self, num_steps)
 
-    monkeypatch.setattr(sim.engine.Engine, "_plan_stretch", counting)
+    monkeypatch.setattr(sim.engine.Engine, "_end_stretch", counting)
     fast = simulate(scenario, step_jitter=JITTER)
     assert sum(taken) > len(fast.steps) // 4  # a good part of the steps in bulk
     monkeypatch.undo()

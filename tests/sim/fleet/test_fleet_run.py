@@ -11,11 +11,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import sim.engine
 from sim.errors import KvsimConfigError
 from sim.fleet.config import ROUTER_KINDS
 from sim.runner import simulate
 from sim.scenario import parse_scenario, scenario_to_yaml
-from tests.sim.test_fast_path import assert_identical, scenarios
+from tests.sim.test_fast_path import assert_identical, long_prompt_scenarios, scenarios
 
 ROUTERS = list(ROUTER_KINDS)
 
@@ -81,6 +82,50 @@ def fleets(draw: st.DrawFn) -> dict[str, Any]:
 def test_a_fleet_gives_the_step_by_step_results_on_the_fast_path(raw: dict[str, Any]) -> None:
     scenario = parse_scenario(raw, "fleet-fast-path")
     assert_identical(simulate(scenario), simulate(scenario, exact_reference=True))
+
+
+@st.composite
+def long_prompt_fleets(draw: st.DrawFn) -> dict[str, Any]:
+    """Replicas whose batches often hold a prompt chunked beside decodes: the prefill
+    stretches a submit cuts short."""
+    raw = draw(long_prompt_scenarios())
+    router = {"kind": draw(st.sampled_from(ROUTERS))}
+    raw["fleet"] = {"replicas": draw(st.integers(2, 3)), "router": router}
+    return raw
+
+
+@settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(long_prompt_fleets())
+def test_a_fleet_with_prefill_stretches_gives_the_step_by_step_results(
+    raw: dict[str, Any],
+) -> None:
+    scenario = parse_scenario(raw, "fleet-prefill-stretches")
+    assert_identical(simulate(scenario), simulate(scenario, exact_reference=True))
+
+
+@pytest.mark.parametrize("prefill", [False, True])
+def test_a_submit_cuts_a_replicas_stretch_short_with_the_step_by_step_results(
+    engines: list[sim.engine.Engine], prefill: bool
+) -> None:
+    # A replica's stretch runs past other replicas' steps and is cut after the step in
+    # which a request is submitted to it: decode stretches, and (a small token budget
+    # under long tool results) stretches that chunk a prompt beside the decodes.
+    raw = agents(replicas=2, router={"kind": "round_robin"})
+    workload = raw["workload"]
+    workload["sessions"] = 20
+    workload["tool_latency"] = {"kind": "lognormal", "median_s": 0.05, "p95_s": 0.3}
+    if prefill:
+        raw["engine"].update(max_num_batched_tokens=64, max_num_seqs=16)
+        workload["tool_result_tokens"] = {"kind": "uniform", "low": 600, "high": 1500}
+    scenario = parse_scenario(raw, "cuts")
+    fast = simulate(scenario)
+    assert sum(engine.num_stretch_cuts[prefill] for engine in engines) >= 5
+    assert sum(engine.num_stretch_steps for engine in engines) > len(fast.steps) // 3
+    assert_identical(fast, simulate(scenario, exact_reference=True))
 
 
 def test_round_robin_shares_independent_traffic_evenly() -> None:
