@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 
 from sim.block_map import BlockMapRecorder
 from sim.config.engine import EngineConfig
-from sim.recorder import STEP_COLUMNS, Recorder
+from sim.recorder import STEP_COLUMNS, Recorder, _drop_last
 from sim.request import Request
 from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler
@@ -167,3 +168,10 @@ def test_the_scheduler_shape_and_recorder_row_come_from_the_record_layer(
     table = recorder.steps_frame()
     assert table.to_dict("records") == expected_rows
     assert shapes_of_steps(table) == shapes
+
+
+@given(st.integers(0, 200), st.integers(0, 200))
+def test_dropping_a_cut_stretchs_values_keeps_the_rest_in_order(keep: int, drop: int) -> None:
+    column = array("q", range(keep + drop))
+    _drop_last(column, drop)
+    assert column.tolist() == list(range(keep))
