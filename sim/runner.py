@@ -43,6 +43,22 @@ MEASURED_SPREAD = frozenset({"shape_cells", "run_step_ratios", "step_residual_qu
 ProgressFn = Callable[[float, int, int | None], None]
 
 
+def priced_by(calibration: CalibrationProfile, budget: int) -> dict[str, Any]:
+    """The profile that priced a run at token budget ``budget``, as its summary records it.
+
+    Less what describes its calibration runs rather than the pricing
+    (:data:`MEASURED_SPREAD`: the fitted shape cells, hundreds, where kvsim run prints the
+    run's coverage instead; each run's and step's speed, what --samples draws from). For a
+    profile fitted per budget, ``params`` is the fit that priced the run
+    (``priced_at_budget``: the budget whose fit it is, or None for the fit over all budgets)
+    instead of the per-budget table."""
+    record = calibration.model_dump(mode="json", exclude=MEASURED_SPREAD | {"params_by_budget"})
+    if calibration.params_by_budget:
+        record["params"] = calibration.params_for(budget).model_dump(mode="json")
+        record["priced_at_budget"] = budget if budget in calibration.params_by_budget else None
+    return record
+
+
 @dataclass
 class SimulationResult:
     scenario: Scenario
@@ -130,7 +146,11 @@ def simulate(
     engine_cfg = scenario.engine
     if calibration is None:
         calibration = shipped_profile(scenario.hardware, scenario.model)
-    params = calibration.params if calibration is not None else CostParams()
+    params = (
+        calibration.params_for(engine_cfg.max_num_batched_tokens)
+        if calibration is not None
+        else CostParams()
+    )
     cost_model = CostModel(
         scenario.model, scenario.hardware, engine_cfg.tensor_parallel_size, params, step_time_scale
     )
@@ -201,12 +221,9 @@ def simulate(
         "source": "sim",
         "kvsim_version": __version__,
         "hardware": scenario.hardware.name,
-        # The profile that priced the steps, less what describes its calibration runs rather
-        # than the pricing: the fitted shape cells (hundreds; kvsim run prints the run's
-        # coverage instead) and each run's and step's speed (what --samples draws from).
         "calibration": None
         if calibration is None
-        else calibration.model_dump(mode="json", exclude=MEASURED_SPREAD),
+        else priced_by(calibration, engine_cfg.max_num_batched_tokens),
     }
     summary = build_summary(
         provenance,

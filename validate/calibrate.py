@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -160,6 +160,55 @@ def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
     return [MeasuredRun.of(run, scenario) for run, scenario in zip(runs, scenarios, strict=True)]
 
 
+def budget_of(measured: MeasuredRun) -> int:
+    """The token budget (engine.max_num_batched_tokens) a measured run ran at."""
+    return measured.scenario.engine.max_num_batched_tokens
+
+
+@dataclass(frozen=True)
+class BudgetFits:
+    """The cost parameters measured runs give: fitted on all of them (``params``, ``fit``)
+    and, when they ran at several token budgets, on each budget's runs alone (``by_budget``,
+    for the budgets with enough steps: :data:`MIN_BUDGET_STEPS`)."""
+
+    params: CostParams
+    fit: dict[str, float]
+    by_budget: dict[int, CostParams]
+
+    def params_for(self, max_num_batched_tokens: int) -> CostParams:
+        return self.by_budget.get(max_num_batched_tokens, self.params)
+
+
+# A token budget gets a fit of its own when its runs have at least this many non-empty
+# steps with a prefill chunk and as many decode-only ones: fewer leave the fit's prefill or
+# decode terms to chance.
+MIN_BUDGET_STEPS = 50
+
+
+def fit_budgets(measured: Sequence[MeasuredRun]) -> BudgetFits:
+    """:func:`fit_measured` on all runs, and once per token budget when they used several.
+
+    The budget is not a batch shape, yet it changes kernel speed: on vLLM-CPU with the tiny
+    model, prefill steps of up to ~600 tokens took ~1.5x as long at a budget of 2,048 as the
+    same shapes at 512 (README, "Token budgets"). One fit over runs at both prices neither.
+    The fit of each budget is reported in ``fit`` as ``r2@<budget>`` and ``mape@<budget>``.
+    """
+    params, fit = fit_measured(measured)
+    groups: dict[int, list[MeasuredRun]] = {}
+    for m in measured:
+        groups.setdefault(budget_of(m), []).append(m)
+    by_budget: dict[int, CostParams] = {}
+    if len(groups) > 1:
+        for budget, runs in sorted(groups.items()):
+            shapes = [s for m in runs for s in m.shapes if s.num_tokens]
+            num_prefill = sum(s.num_prefill_tokens > 0 for s in shapes)
+            if min(num_prefill, len(shapes) - num_prefill) < MIN_BUDGET_STEPS:
+                continue
+            by_budget[budget], budget_fit = fit_measured(runs)
+            fit = {**fit, f"r2@{budget}": budget_fit["r2"], f"mape@{budget}": budget_fit["mape"]}
+    return BudgetFits(params, fit, by_budget)
+
+
 def fit_measured(measured: Sequence[MeasuredRun]) -> tuple[CostParams, dict[str, float]]:
     """:func:`robust_fit` over the steps of ``measured``, all runs together."""
     base = measured[0].scenario
@@ -183,11 +232,14 @@ def calibrate_measured(
     measured: Sequence[MeasuredRun], run_dirs: Sequence[Path], command: str = "kvsim calibrate"
 ) -> CalibrationProfile:
     """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``)."""
-    params, fit = fit_measured(measured)
+    fits = fit_budgets(measured)
+    params, fit = fits.params, fits.fit
     base, first = measured[0].scenario, measured[0].run
-    ratios = [step_ratios(m, params) for m in measured]
+    # Each run against the parameters that price its budget: how fast its process ran.
+    ratios = [step_ratios(m, fits.params_for(budget_of(m))) for m in measured]
     return CalibrationProfile(
         params=params,
+        params_by_budget=fits.by_budget,
         hardware=str(first.summary.get("device")),
         model=base.model.name,
         vllm_version=str(first.summary.get("vllm_version")),
@@ -195,7 +247,7 @@ def calibrate_measured(
         fit=fit,
         num_steps=int(fit.get("num_steps", sum(len(m.shapes) for m in measured))),
         created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
-        max_num_batched_tokens=sorted({m.scenario.engine.max_num_batched_tokens for m in measured}),
+        max_num_batched_tokens=sorted({budget_of(m) for m in measured}),
         shape_cells=fitted_cells(s for m in measured for s in m.shapes),
         run_step_ratios=[float(np.median(r)) for r in ratios],
         step_residual_quantiles=residual_quantiles(ratios),
@@ -226,10 +278,14 @@ def step_ratios(measured: MeasuredRun, params: CostParams) -> np.ndarray:
 
 
 def step_errors(
-    measured: Sequence[MeasuredRun], params: CostParams, cells: Sequence[ShapeCell], name: str
+    measured: Sequence[MeasuredRun],
+    params_for: Callable[[int], CostParams],
+    cells: Sequence[ShapeCell],
+    name: str,
 ) -> StepError:
-    """The per-step error of ``params`` on ``measured`` (runs of one scenario, ``name``)."""
-    r = np.concatenate([step_ratios(m, params) for m in measured])
+    """The per-step error on ``measured`` (runs of one scenario, ``name``) of the parameters
+    ``params_for`` gives for each run's token budget."""
+    r = np.concatenate([step_ratios(m, params_for(budget_of(m))) for m in measured])
     abs_pct = 100.0 * np.abs(1.0 - 1.0 / r)
     shapes = [shape for m in measured for shape in m.shapes]
     return StepError(
@@ -257,19 +313,21 @@ def scenario_groups(measured: Sequence[MeasuredRun]) -> dict[str, list[MeasuredR
 
 
 def leave_one_scenario_out(
-    measured: Sequence[MeasuredRun], params: CostParams
+    measured: Sequence[MeasuredRun], params_for: Callable[[int], CostParams]
 ) -> tuple[list[StepError], list[StepError]]:
     """Per scenario of ``measured`` (runs grouped by scenario name): the per-step error of
-    ``params`` (the profile fitted on all runs: in-sample), and of a profile fitted on the
-    *other* scenarios' runs only (held out): how well the fit generalizes to shapes and
-    traffic it has not seen. Needs runs of at least two scenarios."""
+    ``params_for`` (the profile fitted on all runs, by token budget: in-sample), and of a
+    profile fitted on the *other* scenarios' runs only (held out, by :func:`fit_budgets`
+    too): how well the fit generalizes to shapes and traffic it has not seen. A scenario
+    alone at its token budget is held out with the other budgets' fit, as a run at an
+    uncalibrated budget would be priced. Needs runs of at least two scenarios."""
     groups = scenario_groups(measured)
     all_cells = fitted_cells(s for m in measured for s in m.shapes)
     in_sample, held_out = [], []
     for name, runs in groups.items():
         others = [m for m in measured if m.scenario.name != name]
-        others_params, _ = fit_measured(others)
+        others_fits = fit_budgets(others)
         others_cells = fitted_cells(s for m in others for s in m.shapes)
-        in_sample.append(step_errors(runs, params, all_cells, name))
-        held_out.append(step_errors(runs, others_params, others_cells, name))
+        in_sample.append(step_errors(runs, params_for, all_cells, name))
+        held_out.append(step_errors(runs, others_fits.params_for, others_cells, name))
     return in_sample, held_out

@@ -334,7 +334,7 @@ def calibrate_cmd(
             profile = calibrate_measured(measured, runs or [])
             if leave_one_out:
                 with console.status("fitting once per held-out scenario ..."):
-                    errors = leave_one_scenario_out(measured, profile.params)
+                    errors = leave_one_scenario_out(measured, profile.params_for)
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -357,6 +357,16 @@ def calibrate_cmd(
         f"mean abs error {fit.get('mape', float('nan')):.1f}% per step; wrote {output}",
         highlight=False,
     )
+    budgets = profile.max_num_batched_tokens
+    for budget in budgets if len(budgets) > 1 else ():
+        if budget in profile.params_by_budget:
+            console.print(
+                f"  max_num_batched_tokens={budget}: fitted on its own runs, r2 "
+                f"{fit[f'r2@{budget}']:.3f}, mean abs error {fit[f'mape@{budget}']:.1f}% per step",
+                highlight=False,
+            )
+        else:
+            err_console.print(f"[yellow]{profile.budget_warning(budget)}[/yellow]", highlight=False)
     if leave_one_out:
         console.print(held_out_table(*errors))
 

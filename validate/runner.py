@@ -212,7 +212,7 @@ def build_report(
         if calibration
         else shipped_profile(scenario.hardware, scenario.model)
     )
-    params = profile.params if profile else CostParams()
+    params = profile.params_for(scenario.engine.max_num_batched_tokens) if profile else CostParams()
     warnings = []
     coverage = None
     if profile is not None:

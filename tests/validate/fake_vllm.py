@@ -24,9 +24,11 @@ TRUTH = CostParams(
 )
 
 
-def fake_replay(scenario: Scenario, out_dir: Path, source: str = "vllm") -> RunData:
-    """Simulate ``scenario`` priced by TRUTH and write it as a run measured on vLLM-CPU."""
-    profile = profile_with(TRUTH, hardware="cpu", model="tiny-llama", vllm_version="0.32.0")
+def fake_replay(
+    scenario: Scenario, out_dir: Path, source: str = "vllm", params: CostParams = TRUTH
+) -> RunData:
+    """Simulate ``scenario`` priced by ``params`` and write it as a run measured on vLLM-CPU."""
+    profile = profile_with(params, hardware="cpu", model="tiny-llama", vllm_version="0.32.0")
     result = simulate(scenario, profile)
     summary = {**result.summary, "source": source, "device": "cpu", "vllm_version": "0.32.0"}
     write_run(out_dir, summary, result.requests, result.steps, result.scenario_yaml)

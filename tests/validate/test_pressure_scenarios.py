@@ -5,11 +5,13 @@ validation suite, ``benchmarks/bench_validation.py``)."""
 from __future__ import annotations
 
 import pandas as pd
+import pytest
 
 from sim.runner import SimulationResult, simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from tests.profiles import profile_with
 from tests.validate.fake_vllm import TRUTH
+from validate.calibrate import MIN_BUDGET_STEPS
 
 VALIDATION = SCENARIO_DIR / "validation"
 
@@ -78,6 +80,22 @@ def test_the_kv_pressure_calibration_runs_large_batches_near_a_full_pool_and_rec
     assert steps["num_preemptions"].sum() >= 5
     full = steps[steps["kv_cache_usage_perc"] > 0.9]
     assert (full["num_decode_tokens"] >= 8).sum() >= 100
+
+
+@pytest.mark.parametrize("budget", [256, 2048])
+def test_the_budget_calibrations_chunk_prompts_beside_decodes_at_their_budget(budget: int) -> None:
+    result = run(f"calibration/budget-{budget}.yaml")
+    assert result.summary["num_finished"] == result.summary["num_requests"]
+    tokens = result.steps["num_prefill_tokens"] + result.steps["num_decode_tokens"]
+    steps = result.steps[tokens > 0]
+    with_prefill = steps[steps["num_prefill_tokens"] > 0]
+    # One replay has enough of both kinds of step for a fit of its budget alone.
+    assert min(len(with_prefill), len(steps) - len(with_prefill)) >= MIN_BUDGET_STEPS
+    # Prompts chunked by the budget (steps that fill it), prefills beside decodes, and
+    # prefills larger than 512 at 2,048.
+    assert (tokens[with_prefill.index] == budget).sum() >= 5
+    assert (with_prefill["num_decode_tokens"] >= 4).sum() >= 20
+    assert (with_prefill["num_prefill_tokens"] > 512).sum() >= (20 if budget > 512 else 0)
 
 
 def test_scenario_names_and_seeds_are_distinct() -> None:

@@ -44,11 +44,34 @@ def test_profile_save_load_roundtrip(tmp_path):
 def test_budget_warning_names_the_field_and_the_calibrated_budgets():
     old = make_profile()  # written before profiles recorded their budgets: no claim either way
     assert old.max_num_batched_tokens == [] and old.budget_warning(384) is None
+    assert old.model_copy(update={"max_num_batched_tokens": [512]}).budget_warning(512) is None
+    # Runs at two budgets and no fit of each: the fit over both prices either (a warning).
     profile = old.model_copy(update={"max_num_batched_tokens": [512, 2048]})
-    assert profile.budget_warning(512) is None and profile.budget_warning(2048) is None
+    assert "no fit of its own" in (profile.budget_warning(512) or "")
+    assert "no fit of its own" in (profile.budget_warning(2048) or "")
     warning = profile.budget_warning(384)
     assert warning is not None
     assert "engine.max_num_batched_tokens=384" in warning and "512, 2048" in warning
+
+
+def test_a_profile_over_several_budgets_prices_each_by_its_own_fit():
+    pooled, at_2048 = CostParams(step_overhead_s=1e-3), CostParams(step_overhead_s=5e-3)
+    profile = make_profile().model_copy(
+        update={
+            "params": pooled,
+            "max_num_batched_tokens": [512, 1024, 2048],
+            "params_by_budget": {512: CostParams(), 2048: at_2048},
+        }
+    )
+    assert profile.params_for(2048) == at_2048 and profile.params_for(512) == CostParams()
+    assert profile.params_for(384) == pooled and profile.params_for(1024) == pooled
+    assert profile.budget_warning(2048) is None and profile.budget_warning(512) is None
+    too_few = profile.budget_warning(1024)  # run at, but without a fit of its own
+    assert too_few is not None and "no fit of its own" in too_few and "512, 1024, 2048" in too_few
+    assert "was not calibrated" in (profile.budget_warning(384) or "")
+    # JSON object keys are strings; the budgets come back as ints.
+    again = CalibrationProfile.model_validate_json(profile.model_dump_json())
+    assert again == profile and again.params_for(2048) == at_2048
 
 
 def test_malformed_profile_names_file_and_field(tmp_path):
@@ -117,6 +140,7 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         **old,
         "params": {**old["params"], "kernels": None},
         "max_num_batched_tokens": [],
+        "params_by_budget": {},
         "source": "vllm",
         "environment": {},
         "shape_cells": [],
