@@ -36,7 +36,8 @@ pytestmark = pytest.mark.vllm
 CALIBRATION = sorted((SCENARIO_DIR / "calibration").glob("*.yaml"))
 VALIDATED = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
 REPORT: dict = {}
-# The replays' share of CI's 90 minutes. Six rounds take ~25 minutes on a 2-core machine;
+# The replays' share of CI's 90 minutes. With the two token-budget calibration scenarios
+# (2026-12-03) CI's tests went from 28 to 44 minutes on a 2-core Intel Xeon, six rounds;
 # where they would overrun this, the suite stops after four or five (validate.suite.MIN_ROUNDS)
 # and kvsim is checked against the full range of those replays.
 REPLAY_BUDGET_S = 40 * 60
