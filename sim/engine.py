@@ -54,6 +54,7 @@ from sim.recorder import Recorder, StretchBatch
 from sim.request import Request
 from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler, running_chunk
+from sim.stretch_blocks import apply_stretch_blocks, unregistered_hashes
 from sim.workload.base import RequestMeta, SinkBase
 
 # A stretch shorter than this is run as ordinary steps (the bulk set-up would cost more).
@@ -429,7 +430,11 @@ class Engine(SinkBase):
         if chunked is not None:
             prefill_context0 = chunked.num_computed_tokens
             chunked.num_computed_tokens += sum(chunks)
-        if kv.enable_caching and head_miss is not None and head_miss in self._new_hashes(running):
+        if (
+            kv.enable_caching
+            and head_miss is not None
+            and head_miss in unregistered_hashes(kv, running)
+        ):
             # The queue's head would hit this block once registered: undo, step by step.
             for request, n in zip(decoders, num_hashes, strict=True):
                 del request.token_ids[-num_steps:], request.block_hashes[n:]
@@ -464,18 +469,6 @@ class Engine(SinkBase):
         self._stretch_end_s = ends[-1]
         return durations
 
-    def _new_hashes(self, running: list[Request]) -> list[int]:
-        """The hashes of the blocks the running requests filled and have not registered,
-        in running order (a stretch's registrations)."""
-        num_cached = self.scheduler.kv_cache_manager.num_cached_block
-        block_size = self.block_size
-        new_hashes: list[int] = []
-        for request in running:
-            new_hashes += request.block_hashes[
-                num_cached[request.request_id] : request.num_computed_tokens // block_size
-            ]
-        return new_hashes
-
     def _end_stretch(self, num_steps: int) -> tuple[int, list[Request]]:
         """Apply the planned stretch's first ``num_steps`` steps (all of them unless a
         submit cut it short; the rest are taken back): new blocks and cache registrations
@@ -505,13 +498,8 @@ class Engine(SinkBase):
             self.recorder.cut_stretch(cut, decoders)
             self.num_stretch_cuts[stretch.chunked is not None] += 1
             self._stretch_end_s = stretch.ends[num_steps - 1]
-        if kv.enable_caching:
-            self._apply_blocks_caching(running, pops, num_steps, self._new_hashes(running), chunks)
-        else:
-            tables = kv.req_to_blocks
-            new_blocks = kv.block_pool.get_new_blocks(len(pops)) if pops else []
-            for (_, index), block in zip(pops, new_blocks, strict=True):
-                tables[running[index].request_id].append(block)
+        if apply_stretch_blocks(kv, running, pops, num_steps, chunks):
+            self.num_stretch_replays[bool(chunks)] += 1
         scheduler.num_steps += num_steps
         self.num_stretches += 1
         self.num_stretch_steps += num_steps
@@ -555,65 +543,3 @@ class Engine(SinkBase):
             scheduler,
         )
         return since_prefill, finished
-
-    def _apply_blocks_caching(
-        self,
-        running: list[Request],
-        pops: list[tuple[int, int]],
-        num_steps: int,
-        new_hashes: list[int],
-        chunks: list[int],
-    ) -> None:
-        """Pop a stretch's new blocks and register its newly full blocks (prefix caching on).
-
-        vLLM interleaves both, step by step, request by request. Pops only evict hashes that
-        are cached now; registrations only add hashes. When no hash registered in the stretch
-        is cached now or registered twice, the two never meet, so all pops (in order) then
-        all registrations (request by request) leave the same pool; otherwise the events are
-        replayed one by one in vLLM's order. (Either way, the evictions of pops taken
-        together share one eviction stamp, where vLLM's steps would stamp them apart: stamps
-        only date evictions against prefix lookups, and none is made inside a stretch.)
-        ``chunks``: the last request's prefill chunks, one per step (empty when every request
-        decodes).
-        """
-        kv = self.scheduler.kv_cache_manager
-        pool = kv.block_pool
-        tables = kv.req_to_blocks
-        num_cached = kv.num_cached_block
-        block_size = kv.block_size
-        if pool.first_cached_block.keys().isdisjoint(new_hashes) and len(set(new_hashes)) == len(
-            new_hashes
-        ):
-            if pops:
-                for (_, index), block in zip(pops, pool.get_new_blocks(len(pops)), strict=True):
-                    tables[running[index].request_id].append(block)
-            if new_hashes:
-                for request in running:
-                    kv.cache_blocks(request, request.num_computed_tokens)
-            return
-        self.num_stretch_replays[bool(chunks)] += 1
-        # Events (step, running index, kind, tokens): kind 0 = a new block popped, kind 1 =
-        # full blocks registered up to that many computed tokens (a decode's at once if
-        # already past: k clamps to 0; the prefill's after each of its chunks).
-        events: list[tuple[int, int, int, int]] = [(k, index, 0, 0) for k, index in pops]
-        decoders = running[:-1] if chunks else running
-        for index, request in enumerate(decoders):
-            computed0 = request.num_computed_tokens - num_steps
-            k = (num_cached[request.request_id] + 1) * block_size - computed0 - 1
-            while k < num_steps:
-                k0 = k if k > 0 else 0
-                events.append((k0, index, 1, computed0 + k0 + 1))
-                k += block_size
-        if chunks:
-            computed = running[-1].num_computed_tokens - sum(chunks)
-            for k, n in enumerate(chunks):
-                computed += n
-                events.append((k, len(decoders), 1, computed))
-        events.sort()
-        get_new_blocks = pool.get_new_blocks
-        for _, index, kind, num_tokens in events:
-            request = running[index]
-            if kind == 0:
-                tables[request.request_id] += get_new_blocks(1)
-            else:
-                kv.cache_blocks(request, num_tokens)
