@@ -7,16 +7,52 @@ import signal
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future
+from pathlib import Path
 
 import pytest
 
 from sim.interrupts import completed, result_of, sigint_deferred
 
+GIVE_UP_S = 30.0  # a Ctrl-C that has not arrived by then never will: fail, do not hang
+
 
 def ctrl_c_soon() -> threading.Timer:
-    timer = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+    """SIGINT to the main thread in 0.2 s, where a terminal's Ctrl-C lands (the thread that
+    waits), whichever thread the kernel would pick for a signal to the process."""
+    main = threading.main_thread().ident
+    assert main is not None
+    timer = threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT))
     timer.start()
     return timer
+
+
+def give_up_later(future: Future[None]) -> threading.Timer:
+    """Finish ``future`` after :data:`GIVE_UP_S`, so a wait whose Ctrl-C never arrives
+    ends and the test fails instead of hanging the suite."""
+    timer = threading.Timer(GIVE_UP_S, future.set_result, (None,))
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def signal_state() -> str:
+    """What to read when SIGINT never arrived: this process's pending, blocked, ignored and
+    caught signal masks, and the wakeup fd a signal handler writes to."""
+    try:
+        status = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        status = []
+    masks = [
+        line.replace("\t", " ")
+        for line in status
+        if line.startswith(("SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt"))
+    ]
+    wakeup = signal.set_wakeup_fd(-1)
+    if wakeup != -1:
+        signal.set_wakeup_fd(wakeup)
+    return ", ".join(
+        [*masks, f"wakeup fd {wakeup}", f"handler {signal.getsignal(signal.SIGINT)!r}"]
+    )
 
 
 @pytest.fixture
@@ -35,15 +71,24 @@ def test_ctrl_c_during_a_wait_raises_keyboard_interrupt_and_restores_the_handler
     wait: str,
 ) -> None:
     never: Future[None] = Future()
-    with pytest.raises(KeyboardInterrupt), sigint_deferred() as interrupt:
-        timer = ctrl_c_soon()  # armed inside the block: the signal lands in the wait
-        try:
-            if wait == "completed":
-                list(completed([never], interrupt))
-            else:
-                result_of(never, interrupt)
-        finally:
-            timer.join()
+    watchdog = give_up_later(never)
+    try:
+        with sigint_deferred() as interrupt:
+            timer = ctrl_c_soon()  # armed inside the block: the signal lands in the wait
+            try:
+                if wait == "completed":
+                    list(completed([never], interrupt))
+                else:
+                    result_of(never, interrupt)
+            finally:
+                timer.join(GIVE_UP_S)
+    except KeyboardInterrupt:
+        pass
+    else:
+        pytest.fail(f"no KeyboardInterrupt within {GIVE_UP_S:.0f} s of SIGINT ({signal_state()})")
+    finally:
+        watchdog.cancel()
+    assert not timer.is_alive(), f"the thread sending SIGINT is stuck ({signal_state()})"
     assert interrupt.requested
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
