@@ -33,34 +33,31 @@ def apply_stretch_blocks(
 
     vLLM interleaves both, step by step, request by request. Pops only evict hashes that
     are cached now; registrations only add hashes. When no hash registered in the stretch
-    is cached now or registered twice, the two never meet, so all pops (in order) then
-    all registrations (request by request) leave the same pool; otherwise the events are
-    replayed one by one in vLLM's order. (Either way, the evictions of pops taken
+    is cached now or registered twice (always so without prefix caching, which registers
+    nothing), the two never meet, so all pops (in order) then all registrations (request by
+    request) leave the same pool; otherwise the events are replayed one by one in vLLM's
+    order. (Either way, the evictions of pops taken
     together share one eviction stamp, where vLLM's steps would stamp them apart: stamps
     only date evictions against prefix lookups, and none is made inside a stretch.)
     ``chunks``: the last request's prefill chunks, one per step (empty when every request
     decodes).
     """
     pool = kv.block_pool
-    tables = kv.req_to_blocks
-    if not kv.enable_caching:
-        new_blocks = pool.get_new_blocks(len(pops)) if pops else []
-        for (_, index), block in zip(pops, new_blocks, strict=True):
-            tables[running[index].request_id].append(block)
-        return False
-    new_hashes = unregistered_hashes(kv, running)
-    num_cached = kv.num_cached_block
-    block_size = kv.block_size
+    new_hashes = unregistered_hashes(kv, running) if kv.enable_caching else []
     if pool.first_cached_block.keys().isdisjoint(new_hashes) and len(set(new_hashes)) == len(
         new_hashes
     ):
         if pops:
+            tables = kv.req_to_blocks
             for (_, index), block in zip(pops, pool.get_new_blocks(len(pops)), strict=True):
                 tables[running[index].request_id].append(block)
         if new_hashes:
             for request in running:
                 kv.cache_blocks(request, request.num_computed_tokens)
         return False
+    tables = kv.req_to_blocks
+    num_cached = kv.num_cached_block
+    block_size = kv.block_size
     # Events (step, running index, kind, tokens): kind 0 = a new block popped, kind 1 =
     # full blocks registered up to that many computed tokens (a decode's at once if
     # already past: k clamps to 0; the prefill's after each of its chunks).

@@ -46,8 +46,9 @@ REPLAY_BUDGET_S = 40 * 60
 BAND_SAMPLES = 10
 
 
-# Past the suite's replay budget plus the fits and the band (34 minutes in all in CI on
-# 2026-12-03, the longest test by far), a hung replay ends the run with every thread's stack.
+# The suite's replay budget plus 20 minutes for the fits and the band (the test took 34
+# minutes in CI on 2026-12-03, the longest by far): a hung replay ends the run with every
+# thread's stack.
 @pytest.mark.timeout(REPLAY_BUDGET_S + 20 * 60)
 def test_calibrate_then_validate_against_vllm_on_this_machine(tmp_path: Path) -> None:
     scenario = load_scenario(VALIDATED)
