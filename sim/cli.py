@@ -168,7 +168,11 @@ def run(
     per_replica = " per replica" if spec.fleet is not None else ""
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}{per_replica}", highlight=False)
     console.print(step_time_source(result.summary), highlight=False)
-    coverage = profile.coverage(shapes_of_steps(result.steps)) if profile else None
+    coverage = (
+        profile.coverage(shapes_of_steps(result.steps), spec.engine.max_num_batched_tokens)
+        if profile
+        else None
+    )
     if coverage is not None:
         console.print(f"shape coverage: {coverage.line()}", highlight=False)
         if warning := coverage.warning():

@@ -249,6 +249,10 @@ def calibrate_measured(
         created_by=f"{command} {' '.join(str(p) for p in run_dirs)}",
         max_num_batched_tokens=sorted({budget_of(m) for m in measured}),
         shape_cells=fitted_cells(s for m in measured for s in m.shapes),
+        shape_cells_by_budget={
+            budget: fitted_cells(s for m in measured if budget_of(m) == budget for s in m.shapes)
+            for budget in fits.by_budget
+        },
         run_step_ratios=[float(np.median(r)) for r in ratios],
         step_residual_quantiles=residual_quantiles(ratios),
     )

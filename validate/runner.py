@@ -217,7 +217,9 @@ def build_report(
     coverage = None
     if profile is not None:
         warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
-        coverage = profile.coverage(shapes_of_steps(sim.steps))
+        coverage = profile.coverage(
+            shapes_of_steps(sim.steps), scenario.engine.max_num_batched_tokens
+        )
         warnings.append(coverage.warning() if coverage else None)
     return ValidationReport(
         scenario=scenario.name,

@@ -309,7 +309,9 @@ def _calibration_notes(profile: CalibrationProfile | None, result: Any) -> dict[
         hardware_warning(profile, scenario.hardware.name),
         profile.budget_warning(scenario.engine.max_num_batched_tokens),
     ]
-    coverage = profile.coverage(shapes_of_steps(result.steps))
+    coverage = profile.coverage(
+        shapes_of_steps(result.steps), scenario.engine.max_num_batched_tokens
+    )
     if coverage is not None:
         warnings.append(coverage.warning())
     return {

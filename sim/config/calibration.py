@@ -13,6 +13,7 @@ import json
 from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pydantic
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -67,6 +68,12 @@ class CalibrationProfile(BaseModel):
         "what the fit covers. Empty for profiles not fitted on measured runs, or written "
         "before kvsim recorded them (then no coverage is reported).",
     )
+    shape_cells_by_budget: dict[int, list[tuple[int, int, int, int]]] = Field(
+        default_factory=dict,
+        description="Per token budget with a fit of its own (``params_by_budget``): the "
+        "batch-shape cells of that budget's runs, what that fit covers. Empty for a "
+        "one-budget profile, or one written before kvsim recorded them.",
+    )
     run_step_ratios: list[float] = Field(
         default_factory=list,
         description="Per measured run the fit used: the median of its steps' measured / "
@@ -92,9 +99,9 @@ class CalibrationProfile(BaseModel):
         check_quantiles(values)  # finite and positive: they multiply step times
         return values
 
-    @field_validator("params_by_budget")
+    @field_validator("params_by_budget", "shape_cells_by_budget")
     @classmethod
-    def _budgets_positive(cls, by_budget: dict[int, CostParams]) -> dict[int, CostParams]:
+    def _budgets_positive(cls, by_budget: dict[int, Any]) -> dict[int, Any]:
         bad = [b for b in by_budget if b < 1]
         if bad:
             raise ValueError(f"token budgets must be >= 1, got {bad}")
@@ -136,10 +143,21 @@ class CalibrationProfile(BaseModel):
             "runs at the budget you simulate."
         )
 
-    def coverage(self, shapes: Sequence[BatchShape]) -> ShapeCoverage | None:
-        """How much of a run's steps (``shapes``) lie in the batch shapes this profile was
-        fitted on; None when it records none."""
-        return shape_coverage(shapes, self.shape_cells) if self.shape_cells else None
+    def coverage(
+        self, shapes: Sequence[BatchShape], max_num_batched_tokens: int | None = None
+    ) -> ShapeCoverage | None:
+        """How much of a run's steps (``shapes``) lie in the batch shapes the fit that prices
+        it was fitted on; None when the profile records none.
+
+        A run at a token budget with a fit of its own is priced by that fit alone, so its
+        steps count as covered only in the shapes of that budget's runs: a 2,048 fit on
+        short-context prefills says little about prefills after long cached prefixes, even
+        when runs at 512 reached those shapes (README, "Shape coverage").
+        """
+        if not self.shape_cells:
+            return None
+        cells = self.shape_cells_by_budget.get(max_num_batched_tokens or 0, self.shape_cells)
+        return shape_coverage(shapes, cells)
 
 
 def hardware_warning(profile: CalibrationProfile, hardware_name: str) -> str | None:

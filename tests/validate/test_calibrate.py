@@ -21,6 +21,7 @@ from sim.step_record import shapes_of_steps
 from tests.profiles import profile_with
 from tests.validate.fake_vllm import TRUTH, fake_replay
 from validate.calibrate import (
+    budget_of,
     calibrate,
     leave_one_scenario_out,
     load_measured,
@@ -86,6 +87,35 @@ def test_runs_at_several_budgets_get_a_fit_each_and_the_pooled_one_prices_neithe
         pooled_off.append(abs(np.median(step_ratios(m, profile.params)[prefill]) - 1.0))
     assert max(pooled_off) > 0.1
     assert "was not calibrated" in (profile.budget_warning(1024) or "")
+
+
+def test_coverage_at_a_budget_with_its_own_fit_counts_only_that_budgets_shapes(
+    two_budgets: list[Path],
+) -> None:
+    """A run at 2,048 is priced by the 2,048 fit alone: shapes only the 512 runs reached
+    are extrapolated for it, though the profile as a whole was fitted on them."""
+    runs = two_budgets
+    profile = calibrate(runs)
+    by_budget = {
+        budget: [s for m in load_measured(runs) if budget_of(m) == budget for s in m.shapes]
+        for budget in BUDGETS
+    }
+    assert profile.shape_cells_by_budget == {b: fitted_cells(s) for b, s in by_budget.items()}
+    only_512 = set(profile.shape_cells_by_budget[512]) - set(profile.shape_cells_by_budget[2048])
+    assert only_512  # chunked at 512, whole at 2,048: different prefill shapes
+    at_512 = by_budget[512]
+    pooled = profile.coverage(at_512)
+    own = profile.coverage(at_512, 512)
+    at_2048 = profile.coverage(at_512, 2048)
+    assert pooled is not None and own is not None and at_2048 is not None
+    # The pooled shapes hold the 2,048 runs' too, which some 512 steps share.
+    assert pooled.fraction >= own.fraction > 0.9
+    assert at_2048.fraction < own.fraction
+    # A budget without a fit of its own is priced by the pooled fit: the pooled shapes.
+    assert profile.coverage(at_512, 1024) == pooled
+    # Profiles written before the per-budget cells fall back to the pooled shapes.
+    older = profile.model_copy(update={"shape_cells_by_budget": {}})
+    assert older.coverage(at_512, 2048) == pooled
 
 
 def test_a_budget_with_too_few_steps_is_priced_by_the_fit_over_all_budgets(

@@ -110,3 +110,17 @@ def test_scenario_names_and_seeds_are_distinct() -> None:
     seeds = [s.seed for s in scenarios]
     assert len(set(names)) == len(names)
     assert len(set(seeds)) == len(seeds)
+
+
+def test_the_budget_2048_validation_runs_prefills_past_512_beside_decodes_in_closed_loops() -> None:
+    """The validation scenario at 2,048 checks the profile's fit at that budget: its turns
+    send prompts that a 512-token budget would chunk, beside other sessions' decodes."""
+    result = run("validation/agents-budget-2048.yaml")
+    assert result.summary["num_finished"] == result.summary["num_requests"]
+    steps = result.steps
+    with_prefill = steps[steps["num_prefill_tokens"] > 0]
+    assert (with_prefill["num_prefill_tokens"] <= 2048).all()
+    past_512 = with_prefill[with_prefill["num_prefill_tokens"] > 512]
+    assert len(past_512) >= 30
+    assert (past_512["num_decode_tokens"] > 0).sum() >= 10
+    assert result.requests["turn"].max() >= 3

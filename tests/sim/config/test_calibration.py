@@ -144,6 +144,7 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "source": "vllm",
         "environment": {},
         "shape_cells": [],
+        "shape_cells_by_budget": {},
         "run_step_ratios": [],
         "step_residual_quantiles": [],
         "device_measurements": {},
