@@ -12,9 +12,9 @@ Shapes are binned into cells on a log2 grid (bucket ``k`` holds ``2**(k-1)`` to
 ``kvsim calibrate`` records the cells with at least :data:`MIN_STEPS_PER_CELL` measured steps
 in the profile (``CalibrationProfile.shape_cells``; per token budget with a fit of its own,
 ``shape_cells_by_budget``, which covers the runs that fit prices). A run's step lies inside
-the fitted range when its cell is one of them, or lies between two of them along one axis, the other
-coordinates equal (e.g. decodes of 8-15 requests at a context where 4-7 and 16-31 were
-fitted: interpolation, not extrapolation). A run's coverage is the share of its non-empty
+the fitted range when its cell is one of them, or lies between two of them along one axis,
+the other coordinates equal (e.g. decodes of 8-15 requests at a context where 4-7 and 16-31
+were fitted: interpolation, not extrapolation). A run's coverage is the share of its non-empty
 steps inside. Below :data:`WARN_BELOW` the run's step times are largely extrapolated and
 ``kvsim run`` / ``kvsim validate`` say so.
 """

@@ -156,7 +156,9 @@ class CalibrationProfile(BaseModel):
         """
         if not self.shape_cells:
             return None
-        cells = self.shape_cells_by_budget.get(max_num_batched_tokens or 0, self.shape_cells)
+        cells = self.shape_cells
+        if max_num_batched_tokens is not None:
+            cells = self.shape_cells_by_budget.get(max_num_batched_tokens, cells)
         return shape_coverage(shapes, cells)
 
 
