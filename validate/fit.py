@@ -8,7 +8,7 @@ model adds it here without any column positions to keep in step.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import numpy as np
@@ -56,6 +56,7 @@ def fit_cost_params(
     after_idle: Sequence[bool] | None = None,
     since_prefill: Sequence[int] | None = None,
     loss: Loss = "squares",
+    fixed: Mapping[str, float] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
 
@@ -69,6 +70,9 @@ def fit_cost_params(
     ``loss="median"`` prices each batch shape at its median step instead (see
     :func:`_median_fit`; relative by construction, so ``relative`` does not apply): what
     calibration on a noisy machine wants, whose step times spread +-20% and more.
+    ``fixed`` holds parameters of fitted terms (CostParams field -> value) at the given
+    values instead: their terms are priced by them and taken off the measured times, like the
+    all-reduce transfer, and the other terms are fitted to the rest.
 
     Regresses duration minus the all-reduce transfer time on the features of
     :data:`FITTED_TERMS`; efficiencies are the inverse coefficients. The additive form
@@ -89,6 +93,13 @@ def fit_cost_params(
         if values is not None and len(values) != num_steps:
             raise ValueError(f"{num_steps} shapes but {len(values)} {name}")
     base = base if base is not None else CostParams()
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - {term.param for term in FITTED_TERMS})
+    if unknown:
+        raise ValueError(f"fixed={unknown}: only the parameters of fitted terms can be held")
+    pinned = CostParams.model_validate(base.model_dump() | fixed)
+    free_terms = tuple(term for term in FITTED_TERMS if term.param not in fixed)
+    held_terms = tuple(term for term in FITTED_TERMS if term.param in fixed)
     probe = CostModel(model, hardware, tensor_parallel_size, base)
     idle = [False] * num_steps if after_idle is None else [bool(a) for a in after_idle]
     since = [0] * num_steps if since_prefill is None else [int(n) for n in since_prefill]
@@ -100,12 +111,19 @@ def fit_cost_params(
     for i, duration_s in zip(used_idx, measured_s, strict=True):
         if not duration_s > 0 or not np.isfinite(duration_s):
             raise ValueError(f"non-empty step {i} has duration_s={duration_s}; must be > 0")
-    if len(used) < len(FITTED_TERMS):
-        raise ValueError(f"{len(used)} non-empty steps cannot fit {len(FITTED_TERMS)} coefficients")
+    if len(used) < len(free_terms):
+        raise ValueError(f"{len(used)} non-empty steps cannot fit {len(free_terms)} coefficients")
     features = [probe.features(*step) for step in used]
-    x = np.array([[f[term.name] for term in FITTED_TERMS] for f in features])
-    # Only the all-reduce transfer is subtracted; its latency stays in, to land in the intercept.
-    target_s = measured_s - np.array([probe.allreduce_transfer_time_s(s) for s, _, _ in used])
+    x = np.array([[f[term.name] for term in free_terms] for f in features])
+    # The all-reduce transfer and the held terms are subtracted; the all-reduce latency stays
+    # in, to land in the intercept.
+    target_s = measured_s - np.array(
+        [
+            probe.allreduce_transfer_time_s(s)
+            + sum(term.price(f[term.name], pinned) for term in held_terms)
+            for (s, _, _), f in zip(used, features, strict=True)
+        ]
+    )
     # Least squares weights rows by the square root of the wanted loss weight.
     row_weights = np.sqrt(used_weights) / (measured_s if relative else 1.0)
     coefficients = _nnls(x * row_weights[:, None], target_s * row_weights)
@@ -115,8 +133,8 @@ def fit_cost_params(
         raise ValueError(f"loss={loss!r}: expected 'squares' or 'median'")
     fitted_fields: dict[str, object] = {"mode": "additive", "allreduce_latency_s": 0.0}
     for term in COST_TERMS:
-        fitted_fields[term.param] = 0.0
-    for term, coefficient in zip(FITTED_TERMS, coefficients, strict=True):
+        fitted_fields[term.param] = fixed.get(term.param, 0.0)
+    for term, coefficient in zip(free_terms, coefficients, strict=True):
         if term.efficiency:
             coefficient = max(coefficient, _MIN_INVERSE_EFFICIENCY)
         fitted_fields[term.param] = term.param_value(coefficient)

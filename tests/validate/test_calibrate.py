@@ -89,6 +89,18 @@ def test_runs_at_several_budgets_get_a_fit_each_and_the_pooled_one_prices_neithe
     assert "was not calibrated" in (profile.budget_warning(1024) or "")
 
 
+def test_a_budgets_fit_takes_attention_from_the_fit_over_all_budgets(
+    two_budgets: list[Path],
+) -> None:
+    """Attention per query-key pair is the kernel's, not the budget's: every budget's fit
+    holds the pooled fit's attention term and fits the rest."""
+    profile = calibrate(two_budgets)
+    pooled = profile.params.attention_compute_efficiency
+    assert pooled == pytest.approx(TRUTH.attention_compute_efficiency, rel=0.05)
+    for budget in BUDGETS:
+        assert profile.params_by_budget[budget].attention_compute_efficiency == pooled
+
+
 def test_coverage_at_a_budget_with_its_own_fit_counts_only_that_budgets_shapes(
     two_budgets: list[Path],
 ) -> None:

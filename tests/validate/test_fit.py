@@ -101,6 +101,27 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
         assert getattr(params, field) == pytest.approx(getattr(TRUE_PARAMS, field), rel=0.01)
 
 
+def test_fit_holds_fixed_params_and_fits_the_rest_around_them():
+    """A held parameter comes back as given; with its true value the others are recovered,
+    with a wrong one they absorb what they can (the steps' other terms still fit)."""
+    truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
+    shapes = synthetic_shapes(seed=7, num_steps=300)
+    durations_s = [truth.step_time_s(s) for s in shapes]
+    true_attention = TRUE_PARAMS.attention_compute_efficiency
+    held = {"attention_compute_efficiency": true_attention}
+    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, fixed=held)
+    assert params.attention_compute_efficiency == true_attention
+    assert quality["r2"] > 0.999
+    for field in ("compute_efficiency", "bandwidth_efficiency", "step_overhead_s"):
+        assert getattr(params, field) == pytest.approx(getattr(TRUE_PARAMS, field), rel=0.01)
+    wrong = {"attention_compute_efficiency": 4 * true_attention}
+    params, _ = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, fixed=wrong)
+    assert params.attention_compute_efficiency == 4 * true_attention
+    assert params.compute_efficiency != pytest.approx(TRUE_PARAMS.compute_efficiency, rel=0.01)
+    with pytest.raises(ValueError, match="per_token_overhead_s"):
+        fit_cost_params(shapes, durations_s, LLAMA_8B, H100, fixed={"per_token_overhead_s": 0.0})
+
+
 def test_fit_without_idle_or_prefill_positions_prices_neither():
     truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
     shapes = synthetic_shapes(seed=5, num_steps=120)
