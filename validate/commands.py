@@ -361,7 +361,8 @@ def calibrate_cmd(
     for budget in budgets if len(budgets) > 1 else ():
         if budget in profile.params_by_budget:
             console.print(
-                f"  max_num_batched_tokens={budget}: fitted on its own runs, r2 "
+                f"  max_num_batched_tokens={budget}: fitted on its own runs (attention "
+                f"from the fit over all), r2 "
                 f"{fit[f'r2@{budget}']:.3f}, mean abs error {fit[f'mape@{budget}']:.1f}% per step",
                 highlight=False,
             )

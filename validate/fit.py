@@ -74,14 +74,14 @@ def fit_cost_params(
     values instead: their terms are priced by them and taken off the measured times, like the
     all-reduce transfer, and the other terms are fitted to the rest.
 
-    Regresses duration minus the all-reduce transfer time on the features of
-    :data:`FITTED_TERMS`; efficiencies are the inverse coefficients. The additive form
-    (compute + memory, not their max) is what a linear fit can express. Not fitted: the
-    all-reduce transfer (proportional to T like the linear FLOPs) stays at the datasheet link
-    bandwidth; the unfitted terms' parameters (``per_token_overhead_s``) are 0;
-    ``allreduce_latency_s`` is 0 because a fixed number of all-reduces per step is folded into
-    ``step_overhead_s``; ``kv_transfer_efficiency`` comes from ``base``. Empty steps are
-    skipped. Fit quality: r2, mape and max_abs_pct_error (in percent), rmse_s, num_steps.
+    Regresses duration minus the all-reduce transfer time (and the held terms) on the
+    features of the other :data:`FITTED_TERMS`; efficiencies are the inverse coefficients.
+    The additive form (compute + memory, not their max) is what a linear fit can express.
+    Not fitted: the all-reduce transfer (proportional to T like the linear FLOPs) stays at the
+    datasheet link bandwidth; the unfitted terms' parameters (``per_token_overhead_s``) are
+    0; ``allreduce_latency_s`` is 0 because a fixed number of all-reduces per step is folded
+    into ``step_overhead_s``; ``kv_transfer_efficiency`` comes from ``base``. Empty steps
+    are skipped. Fit quality: r2, mape and max_abs_pct_error (in percent), rmse_s, num_steps.
     """
     num_steps = len(shapes)
     for name, values in (

@@ -281,7 +281,10 @@ def test_cli_prints_the_fit_of_each_budget(
     result = CliRunner().invoke(app, ["calibrate", *runs, "-o", str(out)], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     for budget in (512, 2048):
-        assert f"max_num_batched_tokens={budget}: fitted on its own runs, r2 1.000" in result.output
+        assert (
+            f"max_num_batched_tokens={budget}: fitted on its own runs (attention from the fit "
+            "over all), r2 1.000"
+        ) in result.output
     assert sorted(load_profile(out).params_by_budget) == [512, 2048]
     monkeypatch.setattr("validate.calibrate.MIN_BUDGET_STEPS", 10**9)
     none = CliRunner().invoke(
