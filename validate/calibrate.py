@@ -209,8 +209,8 @@ def fit_budgets(measured: Sequence[MeasuredRun]) -> BudgetFits:
     for m in measured:
         groups.setdefault(budget_of(m), []).append(m)
     by_budget: dict[int, CostParams] = {}
-    shared = {ATTENTION_FLOPS.param: params.attention_compute_efficiency}
     if len(groups) > 1:
+        shared = {ATTENTION_FLOPS.param: params.attention_compute_efficiency}
         for budget, runs in sorted(groups.items()):
             shapes = [s for m in runs for s in m.shapes if s.num_tokens]
             num_prefill = sum(s.num_prefill_tokens > 0 for s in shapes)
