@@ -18,7 +18,8 @@ for every scheduled request, partial prefill chunks included), per GPU of a ``tp
     step_s       = core_s + step_overhead_s + per_token_overhead_s * T
                    + per_request_overhead_s * R
                    + prefill_step_overhead_s * [the step computes any prefill chunk]
-                   + idle_wakeup_s * [first step after the engine sat idle]
+                   + (idle_wakeup_s + idle_wakeup_log_s * ln(1 + idle / 10 ms))
+                     * [first step after the engine sat idle, for idle seconds]
                    + post_prefill_decode_s / n * [n-th decode-only step after a prefill step]
                    + allreduce_s,   and 0 when T == 0.
 
@@ -38,6 +39,12 @@ its FLOPs and bytes (fitted on vLLM-CPU: 3.0-4.2 ms; there a 16-token prefill to
 against 2.2 ms for one decode, and three new prompts in one step cost no more than one).
 ``idle_wakeup_s`` prices the first step after the engine had nothing to do: threads, clocks and
 caches wake up (vLLM-CPU: 1.2-2.1 ms; on a GPU the launch queue has drained).
+``idle_wakeup_log_s`` makes that wake-up grow with how long the engine sat idle: on vLLM-CPU
+(2026-12-03, 1,865 first steps after idle of one six-round validation session) it cost ~1 ms
+beyond the step's batch after idling under 10 ms, ~3 ms after 30-100 ms, ~4 ms after
+0.1-0.3 s, ~6 ms after 0.3-1 s and ~8 ms after 1-3 s: about the same per tenfold gap, so
+a logarithm. (Past ~3 s it grew faster, 20-40 ms; few steps, and the logarithm prices them
+low.) Agent turns come back after tool calls of seconds, so their first step is priced here.
 ``post_prefill_decode_s`` prices the decode-only steps that follow a prefill step: its
 activations evicted weights and KV from the caches, which refill over the next steps. Measured
 on vLLM-CPU, whatever the decode batch size, the first such step took ~0.9 ms longer than
@@ -66,6 +73,7 @@ schema is ``sim/config/calibration.py``, the fit is ``validate/fit.py``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Literal
 
@@ -128,6 +136,12 @@ class CostParams(BaseModel):
     idle_wakeup_s: float = Field(
         0.0, ge=0, description="Extra cost of the first step after the engine sat idle."
     )
+    idle_wakeup_log_s: float = Field(
+        0.0,
+        ge=0,
+        description="Extra cost of the first step after the engine sat idle, per unit of "
+        "ln(1 + idle seconds / 10 ms): a wake-up that grows with the idle gap.",
+    )
     post_prefill_decode_s: float = Field(
         0.0,
         ge=0,
@@ -184,6 +198,10 @@ TOKENS = CostTerm("tokens", "per_token_overhead_s", fitted=False)
 REQUESTS = CostTerm("requests", "per_request_overhead_s")
 HAS_PREFILL = CostTerm("has_prefill", "prefill_step_overhead_s")
 AFTER_IDLE = CostTerm("after_idle", "idle_wakeup_s")
+IDLE_GAP = CostTerm("idle_gap", "idle_wakeup_log_s")
+# The idle gap's unit in IDLE_GAP's regressor ln(1 + idle / unit): shorter gaps cost about
+# nothing beyond idle_wakeup_s (see the module docstring).
+IDLE_GAP_UNIT_S = 0.01
 POST_PREFILL = CostTerm("post_prefill", "post_prefill_decode_s")
 # The additive form: step_s = sum(term.price(feature)) + allreduce_time_s, in this order.
 COST_TERMS = (
@@ -195,6 +213,7 @@ COST_TERMS = (
     REQUESTS,
     HAS_PREFILL,
     AFTER_IDLE,
+    IDLE_GAP,
     POST_PREFILL,
 )
 
@@ -257,17 +276,23 @@ class CostModel:
         self._per_request_s = REQUESTS.price(1.0, params)
         self._prefill_step_s = HAS_PREFILL.price(1.0, params)
         self._idle_wakeup_s = AFTER_IDLE.price(1.0, params)
+        self._idle_wakeup_log_s = IDLE_GAP.price(1.0, params)
         self._post_prefill_s = POST_PREFILL.price(1.0, params)
         pcie_bw = hardware.pcie_bandwidth_bytes_per_s
         self._kv_transfer_bytes_per_s = pcie_bw * params.kv_transfer_efficiency
 
     def step_time_s(
-        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+        self,
+        shape: BatchShape,
+        after_idle: bool = False,
+        steps_since_prefill: int = 0,
+        idle_s: float = 0.0,
     ) -> float:
         """Seconds one engine step takes for this batch (0 for an empty batch); ``after_idle``
-        when the engine had nothing to do just before it; ``steps_since_prefill`` is 0 for a step
-        that computes a prefill chunk, else how many steps it is past the last one that did
-        (1 = the next; 0 or less: no prefill step before it)."""
+        when the engine had nothing to do just before it, for ``idle_s`` seconds;
+        ``steps_since_prefill`` is 0 for a step that computes a prefill chunk, else how many
+        steps it is past the last one that did (1 = the next; 0 or less: no prefill step
+        before it)."""
         num_decode_reqs = shape.num_decode_reqs
         num_tokens = shape.num_prefill_tokens + num_decode_reqs
         if num_tokens == 0:
@@ -303,13 +328,19 @@ class CostModel:
             + self._per_token_s * num_tokens
             + self._per_request_s * num_reqs
             + (self._prefill_step_s if shape.num_prefill_reqs else 0.0)
-            + (self._idle_wakeup_s if after_idle else 0.0)
+            + (self._wakeup_s(idle_s) if after_idle else 0.0)
             + (
                 self._post_prefill_s / steps_since_prefill
                 if steps_since_prefill > 0 and not shape.num_prefill_reqs
                 else 0.0
             )
         ) * self._scale  # exact at 1.0: x * 1.0 == x
+
+    def _wakeup_s(self, idle_s: float) -> float:
+        """The extra seconds of a first step after ``idle_s`` seconds idle."""
+        if not self._idle_wakeup_log_s:
+            return self._idle_wakeup_s
+        return self._idle_wakeup_s + self._idle_wakeup_log_s * idle_gap_feature(idle_s)
 
     def allreduce_time_s(self, shape: BatchShape) -> float:
         """Tensor-parallel all-reduce seconds of one step (0 without TP or tokens)."""
@@ -328,15 +359,20 @@ class CostModel:
         return self._allreduce_s_per_token * (shape.num_prefill_tokens + shape.num_decode_reqs)
 
     def features(
-        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+        self,
+        shape: BatchShape,
+        after_idle: bool = False,
+        steps_since_prefill: int = 0,
+        idle_s: float = 0.0,
     ) -> dict[str, float]:
         """Regressors of the additive form by :data:`COST_TERMS` name, at 100% of the
         datasheet; all 0 for an empty batch.
 
         ``linear_flop_s``, ``attention_flop_s`` and ``byte_s`` are seconds at full datasheet
         speed; ``step`` is 1, ``tokens`` T, ``requests`` R, ``has_prefill`` and
-        ``after_idle`` are 0 or 1, ``post_prefill`` is 1 / n for the n-th decode-only step
-        after a prefill step, else 0. In mode "additive" :meth:`step_time_s` is
+        ``after_idle`` are 0 or 1, ``idle_gap`` is :func:`idle_gap_feature` of ``idle_s`` after
+        idle (else 0), ``post_prefill`` is 1 / n for the n-th decode-only step after a
+        prefill step, else 0. In mode "additive" :meth:`step_time_s` is
         ``sum(term.price(features[term.name], params) for term in COST_TERMS)`` plus
         :meth:`allreduce_time_s` (the hot loop folds the same prices; a test holds them equal).
         """
@@ -357,6 +393,7 @@ class CostModel:
             REQUESTS.name: float(num_reqs),
             HAS_PREFILL.name: 1.0 if has_prefill else 0.0,
             AFTER_IDLE.name: 1.0 if after_idle else 0.0,
+            IDLE_GAP.name: idle_gap_feature(idle_s) if after_idle else 0.0,
             POST_PREFILL.name: 1.0 / steps_since_prefill
             if steps_since_prefill > 0 and not has_prefill
             else 0.0,
@@ -389,6 +426,13 @@ class CostModel:
                 f"num_blocks={num_blocks} and bytes_per_block={bytes_per_block} must be >= 0"
             )
         return num_blocks * bytes_per_block / self._kv_transfer_bytes_per_s
+
+
+def idle_gap_feature(idle_s: float) -> float:
+    """``ln(1 + idle_s / IDLE_GAP_UNIT_S)``: what ``idle_wakeup_log_s`` multiplies."""
+    if idle_s < 0:
+        raise ValueError(f"idle_s={idle_s}: an idle gap cannot be negative")
+    return math.log1p(idle_s / IDLE_GAP_UNIT_S)
 
 
 def _prefill_context_tokens(shape: BatchShape) -> float:

@@ -63,7 +63,11 @@ MIN_STRETCH_STEPS = 2
 
 class StepCost(Protocol):
     def step_time_s(
-        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+        self,
+        shape: BatchShape,
+        after_idle: bool = False,
+        steps_since_prefill: int = 0,
+        idle_s: float = 0.0,
     ) -> float: ...
 
     def kv_transfer_time_s(self, num_blocks: int, bytes_per_block: int) -> float: ...
@@ -168,9 +172,12 @@ class Engine(SinkBase):
         jitter = self.jitter
         offloader = scheduler.offloader  # CPU offload tier only
         after_idle = True  # the first step wakes the engine up
+        idle_since_s = env.now  # since when the engine has had nothing to run
         since_prefill = -1  # steps past the last prefill step; -1 before the first one
         while True:
             if not scheduler.has_unfinished_requests():
+                if not after_idle:
+                    idle_since_s = env.now
                 yield self._idle()
                 after_idle = True
                 continue
@@ -211,6 +218,8 @@ class Engine(SinkBase):
                 offloader.after_schedule({}, scheduler.requests, env.now)  # start loads
                 wake_s = offloader.next_event_s()
                 assert wake_s is not None
+                if not after_idle:
+                    idle_since_s = env.now
                 yield env.any_of([env.timeout(max(wake_s - env.now, 0.0)), self._idle()])
                 after_idle = True
                 continue
@@ -227,7 +236,12 @@ class Engine(SinkBase):
                 since_prefill = 0
             elif since_prefill >= 0:
                 since_prefill += 1
-            duration_s = step_time_s(output.shape, after_idle, since_prefill)
+            duration_s = step_time_s(
+                output.shape,
+                after_idle,
+                since_prefill,
+                env.now - idle_since_s if after_idle else 0.0,
+            )
             if jitter is not None:
                 duration_s *= jitter(output.step)
             swap = output.swap

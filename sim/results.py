@@ -151,7 +151,11 @@ def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
         reason = getattr(exc, "strerror", None) or str(exc)
         raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
     try:
-        (out_dir / CLAIM).write_text(f"{os.getpid()}\n")
+        # Written aside and renamed in: another process's clean_stale must never read a
+        # claim file still empty (pid 0, dead) and remove the run just claimed.
+        pending = out_dir / f".{CLAIM}.{os.getpid()}"
+        pending.write_text(f"{os.getpid()}\n")
+        os.replace(pending, out_dir / CLAIM)
     except OSError as exc:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise KvsimConfigError(

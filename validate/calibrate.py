@@ -30,19 +30,26 @@ OUTLIER_FACTOR = 2.0
 IDLE_GAP_S = 1e-9
 
 
-def step_shapes(run: RunData) -> tuple[list[BatchShape], list[float], list[bool]]:
-    """The batch composition, measured duration and after-idle flag of every step of a run.
+def step_shapes(
+    run: RunData,
+) -> tuple[list[BatchShape], list[float], list[bool], list[float]]:
+    """The batch composition, measured duration, after-idle flag and idle seconds before it
+    (0 unless after idle) of every step of a run.
 
     Both engines start the next step the moment the previous one ends unless nothing is
-    queued, so a gap between steps means the engine sat idle (the first step always does).
+    queued, so a gap between steps means the engine sat idle; the first step always does,
+    since the run's clock started at 0 (both engines are idle from then).
     """
     s = run.steps
     shapes = shapes_of_steps(s)
     start_s = s["start_s"].to_numpy(dtype=float)
     duration_s = s["duration_s"].to_numpy(dtype=float)
+    gap_s = start_s.copy()
+    gap_s[1:] = start_s[1:] - (start_s[:-1] + duration_s[:-1])
     after_idle = np.ones(len(start_s), dtype=bool)
-    after_idle[1:] = start_s[1:] > start_s[:-1] + duration_s[:-1] + IDLE_GAP_S
-    return shapes, duration_s.tolist(), after_idle.tolist()
+    after_idle[1:] = gap_s[1:] > IDLE_GAP_S
+    idle_s = np.where(after_idle, np.maximum(gap_s, 0.0), 0.0)
+    return shapes, duration_s.tolist(), after_idle.tolist(), idle_s.tolist()
 
 
 def step_time_ratio(run: RunData, scenario: Scenario, params: CostParams) -> float | None:
@@ -68,6 +75,7 @@ def robust_fit(
     tensor_parallel_size: int,
     max_rounds: int = 4,
     fixed: Mapping[str, float] | None = None,
+    idle_s: list[float] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """A median fit that ignores stalls: steps that took over ``OUTLIER_FACTOR`` times the
     fitted prediction are dropped and the fit repeated.
@@ -80,11 +88,13 @@ def robust_fit(
     A shared CPU (or a GPU box running other work) now and then stalls a step for hundreds of
     milliseconds; those are not a property of the batch, and a squared loss would let a few of
     them drag every coefficient. The share of steps dropped is reported as ``outlier_frac``.
-    ``fixed`` holds parameters at given values (see :func:`fit_cost_params`).
+    ``fixed`` holds parameters at given values (see :func:`fit_cost_params`); ``idle_s``
+    (one per step) is how long the engine sat idle before each after-idle step.
     """
     keep = np.ones(len(shapes), dtype=bool)
     idle = np.asarray(after_idle, dtype=bool)
     since = np.asarray(since_prefill, dtype=int)
+    gaps = np.zeros(len(shapes)) if idle_s is None else np.asarray(idle_s, dtype=float)
     # Decode-only steps outnumber prefill steps ~30 to 1 in agent traffic, but prefill steps
     # set TTFT: each class gets half of the loss.
     has_prefill = np.array([s.num_prefill_tokens > 0 for s in shapes])
@@ -93,6 +103,7 @@ def robust_fit(
         kept_durations = [d for d, k in zip(durations_s, keep, strict=True) if k]
         kept_idle = idle[keep].tolist()
         kept_since = since[keep].tolist()
+        kept_gaps = gaps[keep].tolist()
         kept_prefill = has_prefill[keep]
         num_prefill = max(int(kept_prefill.sum()), 1)
         num_decode = max(int((~kept_prefill).sum()), 1)
@@ -109,10 +120,11 @@ def robust_fit(
             after_idle=kept_idle,
             since_prefill=kept_since,
             fixed=fixed,
+            idle_s=kept_gaps,
         )
         cost = CostModel(model, hardware, tensor_parallel_size, params)
         predicted = np.array(
-            [cost.step_time_s(*step) for step in zip(shapes, idle, since, strict=True)]
+            [cost.step_time_s(*step) for step in zip(shapes, idle, since, gaps, strict=True)]
         )
         new_keep = np.asarray(durations_s) <= OUTLIER_FACTOR * predicted
         if (new_keep == keep).all():
@@ -132,11 +144,13 @@ class MeasuredRun:
     durations_s: list[float]
     after_idle: list[bool]
     since_prefill: list[int]
+    idle_s: list[float]  # seconds idle before each after-idle step, else 0
 
     @classmethod
     def of(cls, run: RunData, scenario: Scenario) -> MeasuredRun:
-        shapes, durations_s, after_idle = step_shapes(run)
-        return cls(run, scenario, shapes, durations_s, after_idle, steps_since_prefill(shapes))
+        shapes, durations_s, after_idle, idle_s = step_shapes(run)
+        since = steps_since_prefill(shapes)
+        return cls(run, scenario, shapes, durations_s, after_idle, since, idle_s)
 
 
 def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
@@ -236,6 +250,7 @@ def fit_measured(
         base.hardware,
         base.engine.tensor_parallel_size,
         fixed=fixed,
+        idle_s=[g for m in measured for g in m.idle_s],
     )
 
 
@@ -291,9 +306,13 @@ def step_ratios(measured: MeasuredRun, params: CostParams) -> np.ndarray:
     """Measured / predicted time of each non-empty step of one measured run."""
     m, s = measured, measured.scenario
     cost = CostModel(s.model, s.hardware, s.engine.tensor_parallel_size, params)
-    steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, strict=True)
+    steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, m.idle_s, strict=True)
     return np.array(
-        [d / cost.step_time_s(shape, idle, n) for shape, d, idle, n in steps if shape.num_tokens]
+        [
+            d / cost.step_time_s(shape, idle, n, gap)
+            for shape, d, idle, n, gap in steps
+            if shape.num_tokens
+        ]
     )
 
 

@@ -57,6 +57,7 @@ def fit_cost_params(
     since_prefill: Sequence[int] | None = None,
     loss: Loss = "squares",
     fixed: Mapping[str, float] | None = None,
+    idle_s: Sequence[float] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
 
@@ -64,7 +65,9 @@ def fit_cost_params(
     over its duration), so millisecond decode steps count as much as long prefills; ITL and
     TTFT percentiles are relative quantities. ``weights`` (one per step) scale each step's
     squared error on top of that. ``after_idle`` (one per step) marks the steps that followed
-    an idle engine; without it no step did and ``idle_wakeup_s`` comes out 0.
+    an idle engine; without it no step did and ``idle_wakeup_s`` comes out 0. ``idle_s`` (one
+    per step) is how long the engine sat idle before each such step; without it every gap
+    counts as 0 and ``idle_wakeup_log_s`` comes out 0.
     ``since_prefill`` (one per step, from :func:`steps_since_prefill` on each run) places the
     decode steps after a prefill; without it ``post_prefill_decode_s`` comes out 0.
     ``loss="median"`` prices each batch shape at its median step instead (see
@@ -89,6 +92,7 @@ def fit_cost_params(
         ("weights", weights),
         ("after_idle", after_idle),
         ("since_prefill", since_prefill),
+        ("idle_s", idle_s),
     ):
         if values is not None and len(values) != num_steps:
             raise ValueError(f"{num_steps} shapes but {len(values)} {name}")
@@ -103,9 +107,10 @@ def fit_cost_params(
     probe = CostModel(model, hardware, tensor_parallel_size, base)
     idle = [False] * num_steps if after_idle is None else [bool(a) for a in after_idle]
     since = [0] * num_steps if since_prefill is None else [int(n) for n in since_prefill]
+    gaps = [0.0] * num_steps if idle_s is None else [float(g) for g in idle_s]
     step_weights = np.ones(num_steps) if weights is None else np.asarray(weights, dtype=float)
     used_idx = [i for i, s in enumerate(shapes) if s.num_tokens > 0]
-    used = [(shapes[i], idle[i], since[i]) for i in used_idx]
+    used = [(shapes[i], idle[i], since[i], gaps[i]) for i in used_idx]
     measured_s = np.array([float(durations_s[i]) for i in used_idx])
     used_weights = step_weights[used_idx]
     for i, duration_s in zip(used_idx, measured_s, strict=True):
@@ -121,7 +126,7 @@ def fit_cost_params(
         [
             probe.allreduce_transfer_time_s(s)
             + sum(term.price(f[term.name], pinned) for term in held_terms)
-            for (s, _, _), f in zip(used, features, strict=True)
+            for (s, _, _, _), f in zip(used, features, strict=True)
         ]
     )
     # Least squares weights rows by the square root of the wanted loss weight.

@@ -1,3 +1,5 @@
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -5,7 +7,7 @@ from pydantic import ValidationError
 
 from sim.config.hardware import HARDWARE_PRESETS
 from sim.config.model import MODEL_PRESETS
-from sim.cost_model import COST_TERMS, CostModel, CostParams
+from sim.cost_model import COST_TERMS, IDLE_GAP_UNIT_S, CostModel, CostParams, idle_gap_feature
 from sim.errors import KvsimConfigError
 from sim.scheduler.output import BatchShape
 
@@ -165,6 +167,7 @@ step_params = st.builds(
     per_request_overhead_s=st.floats(0.0, 1e-4),
     prefill_step_overhead_s=st.floats(0.0, 1e-2),
     idle_wakeup_s=st.floats(0.0, 1e-2),
+    idle_wakeup_log_s=st.floats(0.0, 5e-3),
     post_prefill_decode_s=st.floats(0.0, 1e-2),
     allreduce_latency_s=st.floats(0.0, 1e-4),
 )
@@ -175,15 +178,16 @@ step_params = st.builds(
     counts=shape_counts,
     after_idle=st.booleans(),
     since_prefill=st.integers(-1, 50),
+    idle_s=st.floats(0.0, 600.0),
     params=step_params,
 )
 def test_additive_step_time_is_the_priced_sum_of_the_named_features(
-    model, hardware, tp, counts, after_idle, since_prefill, params
+    model, hardware, tp, counts, after_idle, since_prefill, idle_s, params
 ):
     """One definition: COST_TERMS prices the features; the hot loop's folding agrees."""
     shape = make_shape(*counts)
     cost = CostModel(model, hardware, tp, params)
-    context = (after_idle, since_prefill)
+    context = (after_idle, since_prefill, idle_s)
     features = cost.features(shape, *context)
     assert list(features) == [term.name for term in COST_TERMS]
     expected_s = sum(term.price(features[term.name], params) for term in COST_TERMS)
@@ -216,6 +220,26 @@ def test_prefill_steps_and_wake_ups_pay_their_overhead_once():
         cost.step_time_s(two_chunks) + 6e-3
     )
     assert slower.step_time_s(decodes) == pytest.approx(cost.step_time_s(decodes))
+
+
+def test_a_wake_up_grows_with_the_log_of_the_idle_gap():
+    decodes = make_shape(0, 0, 8, 1024)
+    cost = make_cost_model()
+    # Default 0: the gap changes nothing, as before the term existed.
+    assert cost.step_time_s(decodes, True, 0, 30.0) == cost.step_time_s(decodes, True)
+    waking = make_cost_model(idle_wakeup_s=1e-3, idle_wakeup_log_s=2e-3)
+    base_s = cost.step_time_s(decodes)
+    for idle_s in (0.0, 0.01, 0.09, 1.0, 30.0):
+        extra_s = waking.step_time_s(decodes, True, 0, idle_s) - base_s
+        assert extra_s == pytest.approx(1e-3 + 2e-3 * math.log1p(idle_s / IDLE_GAP_UNIT_S))
+        # A step that did not follow an idle engine pays no wake-up, whatever idle_s says.
+        assert waking.step_time_s(decodes, False, 0, idle_s) == pytest.approx(base_s)
+    # Ten times the gap, about the same extra again (a logarithm).
+    one_s, ten_s = (waking.step_time_s(decodes, True, 0, g) - base_s for g in (1.0, 10.0))
+    assert ten_s - one_s == pytest.approx(2e-3 * math.log(1001 / 101))
+    assert idle_gap_feature(0.0) == 0.0
+    with pytest.raises(ValueError, match="idle_s=-1"):
+        idle_gap_feature(-1.0)
 
 
 def test_decode_steps_after_a_prefill_pay_one_over_n_of_the_refill():

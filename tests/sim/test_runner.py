@@ -15,7 +15,13 @@ from sim.cost_model import CostModel, CostParams
 from sim.results import load_run, write_run
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
+from sim.scheduler.output import BatchShape
 from tests.profiles import profile_with
+
+
+def make_prefill(num_tokens: int) -> BatchShape:
+    """One request prefilling ``num_tokens`` with nothing cached."""
+    return BatchShape(num_tokens, 1, num_tokens * num_tokens / 2)
 
 
 def open_loop_scenario(**workload: object) -> dict:
@@ -67,6 +73,20 @@ def test_only_the_step_that_wakes_an_idle_engine_pays_the_wake_up() -> None:
     assert req["ttft_s"].to_numpy() == pytest.approx(prefill_s + 2e-3, rel=1e-12)
     first_itl = req["token_times_s"].iloc[0][1] - req["token_times_s"].iloc[0][0]
     assert first_itl == pytest.approx(cost.decode_time_s(1, 512), rel=1e-12)
+
+
+def test_a_wake_up_pays_for_how_long_the_engine_sat_idle() -> None:
+    scenario = parse_scenario(open_loop_scenario(), "theory")
+    params = CostParams(idle_wakeup_s=1e-3, idle_wakeup_log_s=2e-3)
+    req = simulate(scenario, profile_with(params)).requests
+    cost = CostModel(scenario.model, scenario.hardware, 1, params)
+    # Requests ~100 s apart each find the engine idle since the last one finished (the
+    # first since the run began), and their prefill step pays for that gap.
+    idle_s = req["arrival_s"].to_numpy() - np.r_[0.0, req["finish_s"].to_numpy()[:-1]]
+    assert (idle_s > 0).all()
+    expected = [cost.step_time_s(make_prefill(512), True, 0, gap) for gap in idle_s]
+    assert req["ttft_s"].to_numpy() == pytest.approx(expected, rel=1e-9)
+    assert expected[0] > cost.prefill_time_s(512) + 1e-3
 
 
 def test_decode_steps_after_a_prefill_pay_the_refill_one_over_n() -> None:

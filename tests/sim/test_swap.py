@@ -220,7 +220,11 @@ class FixedStepCost:
         self.cost_model = cost_model
 
     def step_time_s(
-        self, shape: BatchShape, after_idle: bool = False, steps_since_prefill: int = 0
+        self,
+        shape: BatchShape,
+        after_idle: bool = False,
+        steps_since_prefill: int = 0,
+        idle_s: float = 0.0,
     ) -> float:
         return self.STEP_S
 

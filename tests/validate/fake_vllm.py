@@ -20,6 +20,7 @@ TRUTH = CostParams(
     per_request_overhead_s=7e-5,
     prefill_step_overhead_s=4e-3,
     idle_wakeup_s=2.5e-3,
+    idle_wakeup_log_s=1.2e-3,
     post_prefill_decode_s=9e-4,
 )
 

@@ -167,15 +167,18 @@ def test_simulate_prices_a_scenario_by_the_fit_of_its_budget(tmp_path: Path) -> 
         assert "params_by_budget" not in recorded
 
 
-def test_after_idle_flags_come_from_gaps_between_steps(tmp_path: Path) -> None:
+def test_after_idle_flags_and_idle_gaps_come_from_gaps_between_steps(tmp_path: Path) -> None:
     run = load_run(measured_looking_run(tmp_path, "agentic-contexts"))
-    shapes, durations, after_idle = step_shapes(run)
-    assert len(shapes) == len(durations) == len(after_idle) == len(run.steps)
+    shapes, durations, after_idle, idle_s = step_shapes(run)
+    assert len(shapes) == len(durations) == len(after_idle) == len(idle_s) == len(run.steps)
     assert after_idle[0]
     start = run.steps["start_s"].to_numpy()
     end = start + run.steps["duration_s"].to_numpy()
     gaps = start[1:] - end[:-1]
     assert after_idle[1:] == [bool(g > 1e-9) for g in gaps]
+    # The first step waited from the run's start; the others from the step before them.
+    assert idle_s[0] == start[0] > 0
+    assert idle_s[1:] == [float(g) if g > 1e-9 else 0.0 for g in gaps]
     # Closed-loop agents with tool waits leave the engine idle now and then, not always.
     assert 0 < sum(after_idle) < len(after_idle) / 2
 
@@ -199,6 +202,7 @@ def test_calibrate_recovers_the_parameters_that_priced_the_steps(tmp_path: Path)
         "step_overhead_s",
         "prefill_step_overhead_s",
         "idle_wakeup_s",
+        "idle_wakeup_log_s",
         "post_prefill_decode_s",
     ):
         assert getattr(profile.params, field) == pytest.approx(getattr(TRUTH, field), rel=0.02)

@@ -47,6 +47,7 @@ TRUE_PARAMS = CostParams(
     per_request_overhead_s=2e-5,
     prefill_step_overhead_s=4e-4,
     idle_wakeup_s=3e-3,
+    idle_wakeup_log_s=1.5e-3,
     post_prefill_decode_s=8e-4,
     allreduce_latency_s=0.0,
 )
@@ -80,9 +81,19 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
     shapes = [*synthetic_shapes(seed=7, num_steps=300), BatchShape()]
     after_idle = [i % 7 == 0 for i in range(len(shapes))]
     since = steps_since_prefill(shapes)
-    durations_s = [truth.step_time_s(*step) for step in zip(shapes, after_idle, since, strict=True)]
+    # Idle gaps from 1 ms to ~20 s, spread over the after-idle steps.
+    idle_s = [1e-3 * 1.6 ** (i % 22) if idle else 0.0 for i, idle in enumerate(after_idle)]
+    steps = list(zip(shapes, after_idle, since, idle_s, strict=True))
+    durations_s = [truth.step_time_s(*step) for step in steps]
     params, quality = fit_cost_params(
-        shapes, durations_s, LLAMA_8B, H100, 1, after_idle=after_idle, since_prefill=since
+        shapes,
+        durations_s,
+        LLAMA_8B,
+        H100,
+        1,
+        after_idle=after_idle,
+        since_prefill=since,
+        idle_s=idle_s,
     )
     assert params.mode == "additive"
     assert quality["r2"] > 0.999
@@ -96,6 +107,7 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
         "per_request_overhead_s",
         "prefill_step_overhead_s",
         "idle_wakeup_s",
+        "idle_wakeup_log_s",
         "post_prefill_decode_s",
     ):
         assert getattr(params, field) == pytest.approx(getattr(TRUE_PARAMS, field), rel=0.01)
@@ -126,7 +138,7 @@ def test_fit_without_idle_or_prefill_positions_prices_neither():
     truth = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
     shapes = synthetic_shapes(seed=5, num_steps=120)
     params, _ = fit_cost_params(shapes, [truth.step_time_s(s) for s in shapes], LLAMA_8B, H100)
-    assert params.idle_wakeup_s == 0.0
+    assert params.idle_wakeup_s == params.idle_wakeup_log_s == 0.0
     assert params.post_prefill_decode_s == 0.0
     assert params.prefill_step_overhead_s == pytest.approx(4e-4, rel=0.01)
 
@@ -167,6 +179,8 @@ def test_fit_rejects_bad_input():
         fit_cost_params(shapes, [1e-2] * 10, LLAMA_8B, H100, 1, after_idle=[True, False])
     with pytest.raises(ValueError, match="10 shapes but 1 since_prefill"):
         fit_cost_params(shapes, [1e-2] * 10, LLAMA_8B, H100, 1, since_prefill=[1])
+    with pytest.raises(ValueError, match="10 shapes but 3 idle_s"):
+        fit_cost_params(shapes, [1e-2] * 10, LLAMA_8B, H100, 1, idle_s=[0.1] * 3)
 
 
 def test_fit_regresses_on_every_fitted_term_and_zeroes_the_others():

@@ -1,0 +1,176 @@
+"""A validation session's misses split in two: the replay machine's speed, and the rest.
+
+    python benchmarks/bench_speed_matched.py DIR      # DIR: a bench_validation.py --out
+
+On a shared machine one vLLM process runs the same batches up to ~25% slower or faster than
+the next, and a replay's latencies follow its speed. This re-reads a validation session
+(``benchmarks/bench_validation.py --out DIR``: ``DIR/profile.json`` and the replays
+``DIR/val-<scenario>/real-*``) and, for every validation scenario, simulates it again at each
+replay's own step speed (``step_time_scale`` = that replay's median measured / predicted step
+time, :func:`validate.calibrate.step_time_ratio`). Per bounded metric it prints kvsim's error
+against the replays' median as the session reported it (the profile's speed), the error of
+the median of the speed-matched simulations against the same median, and the range of the
+per-replay errors (each replay against kvsim at its speed). A miss that stays when the speeds
+are matched is not the machine's speed. Also per scenario: the replays' step ratios on
+prefill steps and on decode-only steps (medians over the replays), which shows whether one
+kind of step is priced off. Last, over all of the session's replays (calibration and
+validation apart), the first step after the engine sat idle, measured / priced, by how long
+it sat idle: the cost model prices that wake-up as one constant (``idle_wakeup_s``). No vLLM
+needed: simulations only, seconds to a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import sys
+from pathlib import Path
+
+import numpy as np
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from sim.config.calibration import CalibrationProfile, load_profile
+from sim.cost_model import CostModel
+from sim.metrics import HEADLINE_METRICS, metric_value
+from sim.results import RunData, load_run
+from sim.runner import simulate
+from sim.scenario import Scenario, parse_scenario
+from validate.calibrate import MeasuredRun, step_time_ratio
+from validate.compare import BOUNDED_METRICS
+
+# Idle gaps (s) the wake-up table splits the first steps after idle by.
+GAP_EDGES_S = (0.0, 0.01, 0.05, 0.2, 1.0, 5.0, float("inf"))
+
+# The bounded latency and throughput figures (preemptions and hit rate are counts that
+# speed-matching does not address).
+METRICS = [m for m in HEADLINE_METRICS if m[0] in BOUNDED_METRICS[:4]]
+
+
+def step_ratio_rows(
+    run: RunData, scenario: Scenario, profile: CalibrationProfile
+) -> list[tuple[bool, float | None, float]]:
+    """Per non-empty step of a measured run: whether it computes a prefill, the seconds the
+    engine sat idle before it (None: it followed the previous step at once) and measured /
+    predicted time."""
+    params = profile.params_for(scenario.engine.max_num_batched_tokens)
+    m = MeasuredRun.of(run, scenario)
+    engine = scenario.engine
+    cost = CostModel(scenario.model, scenario.hardware, engine.tensor_parallel_size, params)
+    rows = []
+    steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, m.idle_s, strict=True)
+    for shape, duration, idle, since, idle_s in steps:
+        if shape.num_tokens:
+            ratio = duration / cost.step_time_s(shape, idle, since, idle_s)
+            rows.append((bool(shape.num_prefill_reqs), idle_s if idle else None, ratio))
+    return rows
+
+
+def median_of(values: list[float]) -> str:
+    return f"{statistics.median(values):.2f}" if values else "-"
+
+
+def wakeup_table(session: Path, profile: CalibrationProfile) -> Table:
+    """The first steps after idle of all the session's replays, by idle gap."""
+    table = Table(
+        title="first step after idle, measured / priced, by the idle gap before it "
+        "(median, and number of steps)"
+    )
+    table.add_column("replays")
+    bins = list(itertools.pairwise(GAP_EDGES_S))
+    for low, high in bins:
+        table.add_column(f"{low:g}-{high:g} s", justify="right")
+    for kind in ("cal", "val"):
+        gaps, ratios = [], []
+        for run_dir in sorted(session.glob(f"{kind}-*/real-*")):
+            if not run_dir.is_dir():
+                continue
+            run = load_run(run_dir)
+            scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
+            for _prefill, gap, ratio in step_ratio_rows(run, scenario, profile):
+                if gap is not None:
+                    gaps.append(gap)
+                    ratios.append(ratio)
+        gap_array, ratio_array = np.array(gaps), np.array(ratios)
+        cells = []
+        for low, high in bins:
+            chosen = ratio_array[(gap_array >= low) & (gap_array < high)]
+            cells.append(f"{np.median(chosen):.2f} ({len(chosen)})" if len(chosen) else "-")
+        table.add_row("calibration" if kind == "cal" else "validation", *cells)
+    return table
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:+.1f}%"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("dir", type=Path, help="a bench_validation.py --out directory")
+    args = parser.parse_args()
+    console = Console(width=150)  # the table's width, also when piped
+    profile_path = args.dir / "profile.json"
+    scenario_dirs = sorted(p for p in args.dir.glob("val-*") if p.is_dir())
+    if not profile_path.is_file() or not scenario_dirs:
+        sys.exit(
+            f"{args.dir}: not a bench_validation.py --out directory (needs profile.json and "
+            "val-<scenario>/real-* replays)"
+        )
+    profile = load_profile(profile_path)
+    table = Table(
+        title=f"kvsim vs the replays' median, at the profile's step speed and at each "
+        f"replay's ({args.dir})"
+    )
+    for col in (
+        "scenario",
+        "replays' speed",
+        "prefill / decode steps",
+        "metric",
+        "as reported",
+        "speed-matched",
+        "per replay",
+    ):
+        table.add_column(col, justify="left" if col in ("scenario", "metric") else "right")
+    for scenario_dir in scenario_dirs:
+        reals = [load_run(p) for p in sorted(scenario_dir.glob("real-*")) if p.is_dir()]
+        if not reals:
+            continue
+        scenario = parse_scenario(yaml.safe_load(reals[0].scenario_yaml), str(reals[0].path))
+        params = profile.params_for(scenario.engine.max_num_batched_tokens)
+        ratios = [step_time_ratio(r, scenario, params) for r in reals]
+        if any(r is None for r in ratios):
+            console.print(f"[yellow]{scenario_dir.name}: a replay without steps, skipped[/yellow]")
+            continue
+        point = simulate(scenario, profile).summary
+        matched = [simulate(scenario, profile, step_time_scale=r).summary for r in ratios]
+        steps = [step_ratio_rows(r, scenario, profile) for r in reals]
+        prefill = [float(np.median([x for p, _, x in rows if p] or [np.nan])) for rows in steps]
+        decode = [float(np.median([x for p, _, x in rows if not p] or [np.nan])) for rows in steps]
+        speed = f"{min(ratios):.2f}-{max(ratios):.2f}"
+        split = f"{median_of(prefill)} / {median_of(decode)}"
+        for k, (label, path, _unit) in enumerate(METRICS):
+            real_values = [metric_value(r.summary, path) for r in reals]
+            sim_values = [metric_value(s, path) for s in matched]
+            point_value = metric_value(point, path)
+            if None in real_values or None in sim_values or point_value is None:
+                continue
+            reference = statistics.median(real_values)
+            per_replay = [s / r - 1 for s, r in zip(sim_values, real_values, strict=True)]
+            table.add_row(
+                scenario.name if k == 0 else "",
+                speed if k == 0 else "",
+                split if k == 0 else "",
+                label,
+                pct(point_value / reference - 1),
+                pct(statistics.median(sim_values) / reference - 1),
+                f"{pct(min(per_replay))} … {pct(max(per_replay))}",
+            )
+        table.add_section()
+    console.print(table)
+    console.print(wakeup_table(args.dir, profile))
+
+
+if __name__ == "__main__":
+    main()
