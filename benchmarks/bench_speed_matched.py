@@ -15,7 +15,8 @@ are matched is not the machine's speed. Also per scenario: the replays' step rat
 prefill steps and on decode-only steps (medians over the replays), which shows whether one
 kind of step is priced off. Last, over all of the session's replays (calibration and
 validation apart), the first step after the engine sat idle, measured / priced, by how long
-it sat idle: the cost model prices that wake-up as one constant (``idle_wakeup_s``). No vLLM
+it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus
+``idle_wakeup_log_s`` x ln(1 + idle / 10 ms), and this shows how well at every gap. No vLLM
 needed: simulations only, seconds to a minute.
 """
 

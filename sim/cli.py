@@ -147,8 +147,7 @@ def run(
                 )
             band = band_rows(result.summary, summaries)
             band_warning = truncation_warning(result.summary, summaries)
-            jittered = bool(profile is not None and profile.step_residual_quantiles)
-            record = band_records(band, factors, summaries, step_jitter=jittered)
+            record = band_records(band, factors, summaries, profile)
             writers.append(lambda d: (d / SAMPLES).write_text(json.dumps(record, indent=2) + "\n"))
         result.write(out_dir, writers)
     except (KvsimConfigError, FileExistsError, ValueError) as exc:

@@ -39,7 +39,13 @@ PROGRESS_INTERVAL_S = 5.0
 # Profile fields describing the calibration runs, not the pricing: left out of a run's
 # summary.json (shape_cells are hundreds; the others are what --samples draws from).
 MEASURED_SPREAD = frozenset(
-    {"shape_cells", "shape_cells_by_budget", "run_step_ratios", "step_residual_quantiles"}
+    {
+        "shape_cells",
+        "shape_cells_by_budget",
+        "run_step_ratios",
+        "step_residual_quantiles",
+        "step_residual_persistence",
+    }
 )
 
 ProgressFn = Callable[[float, int, int | None], None]

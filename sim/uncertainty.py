@@ -11,8 +11,10 @@ simulates the scenario N times, sample ``i`` with every step time multiplied by 
 offload copies keep their speed; a stratified draw: a stable band from a few samples), and
 with ``vary_seed`` also with workload seed ``seed + i``. Where the profile records the
 step-to-step spread within a process (``step_residual_quantiles``), each step of sample ``i``
-is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``): that moves
-the p99 latencies more than the medians. Each sample is a whole run of the same engine, so
+is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``), in the
+order the measured steps persist in where the profile records that
+(``step_residual_persistence``): independent draws move the p99 latencies, persistent ones
+the medians and run-level figures too. Each sample is a whole run of the same engine, so
 the band costs N runs, spread over worker processes.
 """
 
@@ -134,14 +136,18 @@ def band_records(
     rows: Sequence[BandRow],
     factors: Sequence[float],
     summaries: Sequence[dict[str, Any]],
-    step_jitter: bool = False,
+    profile: CalibrationProfile | None = None,
 ) -> dict[str, Any]:
-    """JSON-ready band (``samples.json`` of a run directory); ``step_jitter``: whether the
-    samples drew step-to-step jitter too."""
+    """JSON-ready band (``samples.json`` of a run directory): with the ``profile`` the samples
+    were drawn from, whether they drew step-to-step jitter too and its persistence."""
+    jitter = profile is not None and bool(profile.step_residual_quantiles)
     return {
         "percentiles": list(BAND_PERCENTILES),
         "speed_factors": list(factors),
-        "step_jitter": step_jitter,
+        "step_jitter": jitter,
+        "step_persistence": [
+            list(c) for c in (profile.step_residual_persistence if jitter and profile else [])
+        ],
         "truncated_samples": truncated_samples(summaries),
         "metrics": [
             {
@@ -161,7 +167,10 @@ def band_records(
 def jitter_spec(profile: CalibrationProfile, sample: int) -> JitterSpec | None:
     """The step jitter of sample ``sample``, None when the profile records no step spread."""
     quantiles = profile.step_residual_quantiles
-    return JitterSpec(tuple(quantiles), sample) if quantiles else None
+    if not quantiles:
+        return None
+    components = tuple((a, phi) for a, phi in profile.step_residual_persistence)
+    return JitterSpec(tuple(quantiles), sample, components)
 
 
 def _simulate_summary(

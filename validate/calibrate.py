@@ -21,6 +21,7 @@ from sim.shape_coverage import ShapeCell, fitted_cells, shape_coverage
 from sim.step_jitter import residual_quantiles
 from sim.step_record import shapes_of_steps
 from validate.fit import fit_cost_params, steps_since_prefill
+from validate.step_persistence import residual_persistence
 
 # A step slower than this many times its fitted prediction is a stall, not a batch cost.
 OUTLIER_FACTOR = 2.0
@@ -286,6 +287,7 @@ def calibrate_measured(
         },
         run_step_ratios=[float(np.median(r)) for r in ratios],
         step_residual_quantiles=residual_quantiles(ratios),
+        step_residual_persistence=residual_persistence(ratios),
     )
 
 

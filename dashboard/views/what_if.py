@@ -172,9 +172,7 @@ def _run(
 
             factors, summaries = run_samples(scenario, profile, samples, vary_seed, on_done=sampled)
             rows = band_rows(result.summary, summaries)
-            band = band_records(
-                rows, factors, summaries, step_jitter=bool(profile.step_residual_quantiles)
-            )
+            band = band_records(rows, factors, summaries, profile)
             band_warning = truncation_warning(result.summary, summaries)
     except Exception as exc:  # KvsimConfigError (sizing, a trace), or whatever else breaks
         bar.empty()
@@ -230,7 +228,12 @@ def _show_result(state: dict[str, Any]) -> None:
 
         table, num_samples = band_frame(band)
         st.markdown(f"**Uncertainty band** ({num_samples} samples)")
-        jitter = " and each step's own jitter" if band.get("step_jitter") else ""
+        jitter = (
+            " and each step's own jitter"
+            + (" (persistent, as measured)" if band.get("step_persistence") else "")
+            if band.get("step_jitter")
+            else ""
+        )
         seeds = ", with workload seeds seed + i" if state.get("vary_seed") else ""
         st.caption(
             f"The scenario again at the run speeds{jitter} of the calibration's measured "

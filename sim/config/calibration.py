@@ -24,7 +24,7 @@ from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError, format_validation_error
 from sim.scheduler.output import BatchShape
 from sim.shape_coverage import ShapeCoverage, shape_coverage
-from sim.step_jitter import check_quantiles
+from sim.step_jitter import check_components, check_quantiles
 
 
 class CalibrationProfile(BaseModel):
@@ -87,6 +87,14 @@ class CalibrationProfile(BaseModel):
         "process (kvsim run --samples gives each step one of them, drawn uniformly). Empty "
         "for profiles not fitted on measured runs, or written before kvsim recorded them.",
     )
+    step_residual_persistence: list[tuple[float, float]] = Field(
+        default_factory=list,
+        description="How that jitter persists from step to step: AR(1) components [share of "
+        "the variance, lag-1 coefficient] of its normal scores, fitted on the measured runs' "
+        "step order (two steps j apart correlate by sum share x coefficient^j; "
+        "sim/step_jitter.py). Empty: independent draws (profiles written before kvsim "
+        "recorded it, or runs without a measurable persistence).",
+    )
     device_measurements: dict[str, float] = Field(
         default_factory=dict,
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
@@ -97,6 +105,12 @@ class CalibrationProfile(BaseModel):
     @classmethod
     def _time_factors(cls, values: list[float]) -> list[float]:
         check_quantiles(values)  # finite and positive: they multiply step times
+        return values
+
+    @field_validator("step_residual_persistence")
+    @classmethod
+    def _persistence(cls, values: list[tuple[float, float]]) -> list[tuple[float, float]]:
+        check_components(values)
         return values
 
     @field_validator("params_by_budget", "shape_cells_by_budget")

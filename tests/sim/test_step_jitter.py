@@ -15,9 +15,13 @@ from sim.scenario import parse_scenario
 from sim.step_jitter import NUM_QUANTILES, JitterSpec, StepJitter, residual_quantiles
 from tests.sim.fleet.test_fleet_run import agents, fleets
 from tests.sim.test_fast_path import assert_identical, scenarios
+from validate.step_persistence import score_autocorrelation
 
 QUANTILES = (0.8, 0.95, 1.0, 1.1, 3.0)
 JITTER = JitterSpec(QUANTILES, 2)
+# A fast and a slow AR(1) component, as the vLLM-CPU calibration replays show.
+PERSISTENCE = ((0.25, 0.9), (0.2, 0.994))
+PERSISTENT = JitterSpec(QUANTILES, 2, PERSISTENCE)
 
 
 def test_a_steps_factor_depends_on_its_index_only() -> None:
@@ -31,6 +35,46 @@ def test_a_steps_factor_depends_on_its_index_only() -> None:
     assert share == pytest.approx([0.2] * 5, abs=0.02)
     other = StepJitter(QUANTILES, (1, 1, 0))  # another stream
     assert [other(k) for k in range(50)] != values[:50]
+
+
+def test_persistent_draws_keep_the_distribution_and_take_the_order() -> None:
+    quantiles = tuple(np.linspace(0.8, 1.6, 100))
+    forward = StepJitter(quantiles, (4, 0, 0), PERSISTENCE)
+    values = np.array([forward(k) for k in range(60_000)])
+    backward = StepJitter(quantiles, (4, 0, 0), PERSISTENCE)
+    assert [backward(k) for k in reversed(range(0, 60_000, 7))][::-1] == list(values[::7])
+    # The same factors as independent draws, each quantile about a hundredth of the steps...
+    assert set(values) <= set(quantiles)
+    counts = np.bincount(np.searchsorted(quantiles, values), minlength=100) / len(values)
+    assert counts == pytest.approx([0.01] * 100, abs=0.004)
+    # ...in an order whose autocorrelation is the components' sum a * phi**lag.
+    lags, acf = score_autocorrelation([values[i : i + 6_000] for i in range(0, 60_000, 6_000)])
+    by_lag = dict(zip(lags.tolist(), acf, strict=True))
+    for lag in (1, 10, 100):
+        expected = sum(a * phi**lag for a, phi in PERSISTENCE)
+        assert by_lag[lag] == pytest.approx(expected, abs=0.06), lag
+    independent = StepJitter(quantiles, (4, 0, 0))
+    lags, acf = score_autocorrelation([[independent(k) for k in range(20_000)]])
+    assert np.abs(acf[:10]).max() < 0.03
+    # A stretch of a hundred steps wanders further from the median than independent draws.
+    means = np.log(values).reshape(-1, 100).mean(axis=1)
+    plain = np.log([independent(k) for k in range(60_000)]).reshape(-1, 100).mean(axis=1)
+    assert means.std() > 2.5 * plain.std()
+
+
+@pytest.mark.parametrize(
+    ("components", "message"),
+    [
+        (((0.5, 1.0),), "coefficient in 0..1"),
+        (((1.2, 0.5),), "share in 0..1"),
+        (((0.6, 0.5), (0.6, 0.9)), "sum to 1.2"),
+    ],
+)
+def test_bad_persistence_is_refused(
+    components: tuple[tuple[float, float], ...], message: str
+) -> None:
+    with pytest.raises(ValueError, match=message):
+        StepJitter(QUANTILES, (0,), components)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +123,18 @@ def test_jittered_fast_path_gives_the_step_by_step_results(raw: dict[str, Any]) 
         assert not np.array_equal(
             plain.steps["duration_s"].to_numpy(), fast.steps["duration_s"].to_numpy()
         )
+
+
+@settings(
+    max_examples=10,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios())
+def test_persistent_jitter_gives_the_step_by_step_results(raw: dict[str, Any]) -> None:
+    scenario = parse_scenario(raw, "persistent")
+    fast = simulate(scenario, step_jitter=PERSISTENT)
+    assert_identical(fast, simulate(scenario, exact_reference=True, step_jitter=PERSISTENT))
 
 
 @settings(

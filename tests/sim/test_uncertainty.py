@@ -114,18 +114,28 @@ def test_samples_draw_step_jitter_when_the_profile_records_it(tmp_path: Path) ->
                     run_samples(spec, slower, 2, workers=1)[1], strict=True):  # fmt: skip
         for metric in ("vllm:time_to_first_token_seconds", itl):
             assert a["metrics"][metric]["p50"] == pytest.approx(b["metrics"][metric]["p50"])
+    # Drawn in a persistent order: the same distribution, other runs, still deterministic.
+    persistent = jittery.model_copy(
+        update={"step_residual_persistence": [(0.25, 0.9), (0.2, 0.994)]}
+    )
+    drawn = run_samples(spec, persistent, 3, workers=1)
+    assert run_samples(spec, persistent, 3, workers=2) == drawn
+    assert drawn[0] == factors and drawn[1] != summaries
     # The profile keeps the spread; a run's summary.json leaves it out, as the run ratios.
     out = tmp_path / "p.json"
-    save_profile(jittery, out)
+    save_profile(persistent, out)
     result = CliRunner().invoke(
         app,
         ["run", str(SCENARIO), "--set", "workload.sessions=6", "--calibration", str(out),
          "--samples", "2", "--out", str(tmp_path / "run")],
     )  # fmt: skip
     assert result.exit_code == 0, result.output
-    assert json.loads((tmp_path / "run" / SAMPLES).read_text())["step_jitter"] is True
+    record = json.loads((tmp_path / "run" / SAMPLES).read_text())
+    assert record["step_jitter"] is True
+    assert record["step_persistence"] == [[0.25, 0.9], [0.2, 0.994]]
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert "step_residual_quantiles" not in summary["calibration"]
+    assert "step_residual_persistence" not in summary["calibration"]
 
 
 def test_cli_run_samples_writes_the_band(tmp_path: Path) -> None:

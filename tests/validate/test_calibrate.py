@@ -265,6 +265,12 @@ def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) 
     )
     assert result.exit_code == 0, result.output
     assert out.exists()
+    profile = load_profile(out)
+    spread = profile.step_residual_quantiles
+    assert (
+        f"steps at {spread[100]:.2f}-{spread[900]:.2f} (p10-p90) of their run's median, two "
+        "steps j apart correlated by"
+    ) in " ".join(result.output.split())
     rows = [line for line in result.output.splitlines() if "cal-" in line]
     assert len(rows) == 2 and "held-out ratio" in result.output
     one = tmp_path / "one.json"

@@ -89,6 +89,19 @@ def test_malformed_profile_names_file_and_field(tmp_path):
     with pytest.raises(KvsimConfigError, match=r"bad\.json: num_steps = 'many'"):
         load_profile(path)
 
+    raw["num_steps"] = 10
+    for persistence, message in (
+        ([[0.5, 1.0]], r"coefficient in 0\.\.1\); got \[0\.5, 1\.0\]"),
+        ([[-0.1, 0.9]], r"got \[-0\.1, 0\.9\]"),
+        ([[0.7, 0.9], [0.6, 0.99]], "shares sum to 1.3"),
+    ):
+        raw["step_residual_persistence"] = persistence
+        path.write_text(json.dumps(raw))
+        with pytest.raises(KvsimConfigError, match=r"bad\.json: step_residual_persistence"):
+            load_profile(path)
+        with pytest.raises(KvsimConfigError, match=message):
+            load_profile(path)
+
     path.write_text("{not json")
     with pytest.raises(KvsimConfigError, match=r"bad\.json"):
         load_profile(path)
@@ -147,5 +160,6 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "shape_cells_by_budget": {},
         "run_step_ratios": [],
         "step_residual_quantiles": [],
+        "step_residual_persistence": [],
         "device_measurements": {},
     }
