@@ -22,6 +22,7 @@ from sim.errors import KvsimConfigError
 from sim.fleet.dispatch import FleetDispatcher, Replica
 from sim.fleet.outputs import fleet_requests, fleet_section, fleet_steps
 from sim.fleet.routers import build_router
+from sim.gc_pacing import paced_collection
 from sim.kv.offload import offload_summary
 from sim.kv.retention import retention_summary
 from sim.kv.waste import WasteTrackingScheduler, wants_waste_tracking
@@ -198,20 +199,21 @@ def simulate(
     truncated = False
     next_report_s = PROGRESS_INTERVAL_S
     peek, step = env.peek, env.step
-    while True:
-        next_event_s = peek()
-        if math.isinf(next_event_s):
-            break  # workload drained, engines idle
-        if next_event_s > limit_s:
-            truncated = True
-            break
-        step()
-        if progress is not None and env.now >= next_report_s:
-            next_report_s = env.now + PROGRESS_INTERVAL_S
-            num_finished = sum(
-                len(r.recorder.requests) - r.scheduler.num_unfinished_requests for r in replicas
-            )
-            progress(env.now, num_finished, expected)
+    with paced_collection():
+        while True:
+            next_event_s = peek()
+            if math.isinf(next_event_s):
+                break  # workload drained, engines idle
+            if next_event_s > limit_s:
+                truncated = True
+                break
+            step()
+            if progress is not None and env.now >= next_report_s:
+                next_report_s = env.now + PROGRESS_INTERVAL_S
+                num_finished = sum(
+                    len(r.recorder.requests) - r.scheduler.num_unfinished_requests for r in replicas
+                )
+                progress(env.now, num_finished, expected)
 
     if dispatcher is None:
         recorder = replicas[0].recorder

@@ -1,7 +1,8 @@
 """The calibration profile fitted to step times measured by ``validate/gpu_measure.py``.
 
-``validate/gpu_measure.py`` (torch only, one file to copy onto a GPU box) times the steps of a
-random-weight decoder stack and writes a raw JSON file. Here, where kvsim is installed::
+``validate/gpu_measure.py`` (torch only: it and ``validate/gpu_stack.py`` are what to copy onto a
+GPU box) times the steps of a random-weight decoder stack and writes a raw JSON file. Here,
+where kvsim is installed::
 
     python -m validate.gpu_profile merge run1.json run2.json -o raw.json
     python -m validate.gpu_profile fit raw.json -o validate/profiles/h200-llama-3.1-8b.json
@@ -13,7 +14,7 @@ random-weight decoder stack and writes a raw JSON file. Here, where kvsim is ins
 ``compare`` prints, point by point, how far the datasheet roofline (default CostParams) and
 the fitted profile are from the measurements. ``measure`` runs ``validate/gpu_measure.py``
 (``python3 validate/gpu_profile.py measure --out raw.json`` works as before, with
-gpu_measure.py beside it).
+gpu_measure.py and gpu_stack.py beside it).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""validate/gpu_measure.py and validate/gpu_profile.py on the CPU: the tiny geometry's measure
-run, fit, merge, compare.
+"""validate/gpu_measure.py, validate/gpu_stack.py and validate/gpu_profile.py on the CPU: the
+tiny geometry's measure run, fit, merge, compare.
 
 Marked ``vllm`` because the measuring half needs torch, which only the vLLM environment has.
 """
@@ -23,7 +23,6 @@ from sim.errors import KvsimConfigError
 from validate.gpu_measure import (
     GEOMETRIES,
     RAW_FORMAT,
-    DecoderStack,
     _grid_points,
     batch_shape_fields,
     measure,
@@ -38,6 +37,7 @@ from validate.gpu_profile import (
     raw_shapes,
     regime_summary,
 )
+from validate.gpu_stack import DecoderStack
 
 pytestmark = pytest.mark.vllm
 
@@ -374,14 +374,16 @@ def test_cli_errors_exit_2_without_a_traceback(
 
 
 def test_the_measuring_script_runs_alone_without_kvsim(tmp_path: Path) -> None:
-    """gpu_measure.py copied alone (what goes onto a GPU box) runs, imports nothing of kvsim
-    and writes its errors as one line, exit status 2."""
+    """gpu_measure.py and gpu_stack.py copied alone (what goes onto a GPU box) run, import
+    nothing of kvsim and write their errors as one line, exit status 2."""
+    for name in ("gpu_measure.py", "gpu_stack.py"):
+        (tmp_path / name).write_text(
+            (Path(__file__).resolve().parents[2] / "validate" / name).read_text()
+        )
     script = tmp_path / "gpu_measure.py"
-    script.write_text(
-        (Path(__file__).resolve().parents[2] / "validate" / "gpu_measure.py").read_text()
-    )
     probe = (
         "import runpy, sys\n"
+        f"sys.path.insert(0, {str(tmp_path)!r})  # what python3 gpu_measure.py does\n"
         f"sys.argv = [{str(script)!r}, '--out', 'x.json', '--device', 'tpu']\n"
         "try:\n"
         f"    runpy.run_path({str(script)!r}, run_name='__main__')\n"
