@@ -102,6 +102,17 @@ class DecoderStack:
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page)
 
+    def random_query(self, batch: dict[str, Any]) -> Any:
+        """Random attention queries for every token of ``batch``: [tokens, heads, head_dim]
+        (what the self-tests feed both attention paths)."""
+        return self.torch.randn(
+            batch["ids"].shape[0],
+            self.g["num_attention_heads"],
+            self.g["head_dim"],
+            device=self.device,
+            dtype=self.dtype,
+        )
+
     def build_batch(self, point: dict[str, int], paged: bool) -> dict[str, Any]:
         """Static input tensors of one step: prefill requests first, then decodes.
 
@@ -380,8 +391,6 @@ class DecoderStack:
 def self_test_split(stack: DecoderStack) -> str | None:
     """None when split-KV attention (decode and prefill, mode "always") agrees with unsplit
     SDPA; else why not (then splitting is turned off)."""
-    torch = stack.torch
-    g = stack.g
     ctx = 16 * stack.page
     target, mode = stack.split_target, stack.split_mode
     problems = []
@@ -398,13 +407,7 @@ def self_test_split(stack: DecoderStack) -> str | None:
         }
         try:
             batch = stack.build_batch(point, paged=False)
-            q = torch.randn(
-                batch["ids"].shape[0],
-                g["num_attention_heads"],
-                g["head_dim"],
-                device=stack.device,
-                dtype=stack.dtype,
-            )
+            q = stack.random_query(batch)
             stack.split_target, stack.split_mode = target, "always"
             got = stack._attention_sdpa(0, q, batch).float()
             stack.split_mode = "off"
@@ -440,17 +443,10 @@ def self_test_paged(stack: DecoderStack) -> str | None:
         "num_decode_reqs": 3,
         "decode_context_tokens": 700,
     }
-    g = stack.g
     try:
         batch_sdpa = stack.build_batch(point, paged=False)
         batch_paged = dict(batch_sdpa, point=point)  # same (consecutive) pages for both
-        q = torch.randn(
-            batch_sdpa["ids"].shape[0],
-            g["num_attention_heads"],
-            g["head_dim"],
-            device=stack.device,
-            dtype=stack.dtype,
-        )
+        q = stack.random_query(batch_sdpa)
         ref = stack._attention_sdpa(0, q, batch_sdpa).float()
     except Exception as exc:
         return f"SDPA reference failed: {type(exc).__name__}: {exc}"[:400]
