@@ -146,6 +146,12 @@ def step_time_source(summary: dict[str, Any]) -> str:
             f"step times: {profile.get('hardware', hardware)} kernel fit on public operator "
             "measurements (Vidur), attention from first principles"
         )
+    if source == "torch-operator-tables":
+        return (
+            f"step times: {profile.get('hardware', hardware)} kernel fit on operator "
+            "measurements with torch kernels (validate/gpu_operators.py), attention from "
+            "first principles"
+        )
     return (
         f"step times: calibration profile ({source}) fitted on {profile.get('model', '?')} / "
         f"{profile.get('hardware', '?')}"

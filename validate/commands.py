@@ -272,8 +272,8 @@ def calibrate_cmd(
         Path | None,
         typer.Option(
             help="Fit GPU kernel parameters from Vidur-format operator tables in this folder "
-            "(compute/<gpu>/<org>/<model>/mlp.csv, network/<gpu>_dgx/all_reduce.csv) "
-            "instead of from runs."
+            "(compute/<gpu>/<org>/<model>/mlp.csv, network/<gpu>_dgx/all_reduce.csv: Vidur's, "
+            "or what validate/gpu_operators.py measured) instead of from runs."
         ),
     ] = None,
     gpu: Annotated[

@@ -1,13 +1,15 @@
 """``kvsim calibrate --vidur``: a calibration profile from Vidur-format operator tables.
 
 The profile has the format of one fitted on replayed vLLM runs (``sim/config/calibration.py``)
-with ``source: vidur-operator-tables``: cost parameters in mode ``operators`` carrying the
+with ``source: vidur-operator-tables`` (``torch-operator-tables`` for tables that
+``validate/gpu_operators.py`` measured): cost parameters in mode ``operators`` carrying the
 fitted :class:`~sim.gpu_kernels.KernelParams`. The shipped H100 and A100 profiles
 (``sim/config/kernel_fits/``) were written by this command on Vidur's public profiles.
 """
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,23 @@ from validate.vidur_tables import read_tables
 # Vidur's GPU folder names and the kvsim hardware presets they measured.
 VIDUR_GPUS = {"h100": "H100-SXM-80GB", "a100": "A100-80GB"}
 SOURCE = "vidur-operator-tables"
+# Tables that validate/gpu_operators.py measured (it writes meta.json beside compute/).
+TORCH_SOURCE = "torch-operator-tables"
+
+
+def table_provenance(root: Path) -> tuple[str, str, dict[str, str]]:
+    """(source, vllm_version, environment) of the tables under ``root``: Vidur's, or measured
+    with torch by ``validate/gpu_operators.py`` (its meta.json names the device and versions)."""
+    try:
+        meta = json.loads((root / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or "elementwise" not in meta:
+        return SOURCE, "n/a (operator kernels, not vLLM)", {}
+    keys = ("device", "sm_count", "torch", "cuda", "blas", "dtype", "elementwise")
+    environment = {key: str(meta[key]) for key in keys if meta.get(key) is not None}
+    version = f"none (torch {meta.get('torch', '?')} kernels, not vLLM)"
+    return TORCH_SOURCE, version, environment
 
 
 def vidur_profile(
@@ -34,13 +53,17 @@ def vidur_profile(
 ) -> CalibrationProfile:
     """Fit every kernel parameter of ``gpu`` on the tables under ``root``."""
     tables = read_tables(root, gpu)
-    if hardware is None:
-        if gpu not in VIDUR_GPUS:
-            raise KvsimConfigError(
-                f"--gpu {gpu!r} has no hardware preset to pair with; pass --hardware "
-                f"(known Vidur GPUs: {', '.join(VIDUR_GPUS)})"
-            )
+    command = f"kvsim calibrate --vidur {root} --gpu {gpu}"
+    if hardware is not None:
+        command += f" --hardware {hardware.name}"
+    elif gpu in VIDUR_GPUS:
         hardware = resolve_hardware(VIDUR_GPUS[gpu])
+    else:
+        raise KvsimConfigError(
+            f"--gpu {gpu!r} has no hardware preset to pair with; pass --hardware "
+            f"(known Vidur GPUs: {', '.join(VIDUR_GPUS)})"
+        )
+    source, vllm_version, environment = table_provenance(Path(root))
     kernels = fit_kernel_params(tables, hardware)
     compute_eff, bandwidth_eff = fit_roofline(tables.layers, hardware)
     measured = measured_layer_s(tables.layers)
@@ -51,7 +74,7 @@ def vidur_profile(
         params=CostParams(mode="operators", kernels=kernels),
         hardware=hardware.name,
         model=", ".join(tables.models),
-        vllm_version="n/a (operator kernels, not vLLM)",
+        vllm_version=vllm_version,
         tensor_parallel_size=1,
         fit={
             "mape": float(error.mean()),
@@ -61,8 +84,9 @@ def vidur_profile(
             "roofline_bandwidth_efficiency": bandwidth_eff,
         },
         num_steps=int(keep.sum()),
-        created_by=f"kvsim calibrate --vidur {root} --gpu {gpu}",
-        source=SOURCE,
+        created_by=command,
+        source=source,
+        environment=environment,
     )
 
 

@@ -56,7 +56,8 @@ class CalibrationProfile(BaseModel):
         "vllm",
         description="What timed the steps: 'vllm' (kvsim calibrate on real vLLM runs) or "
         "'torch-kernels' (validate/gpu_profile.py: a torch decoder stack, not vLLM) or "
-        "'vidur-operator-tables' (kvsim calibrate --vidur: GPU operator tables).",
+        "'vidur-operator-tables' (kvsim calibrate --vidur: GPU operator tables) or "
+        "'torch-operator-tables' (the same on tables validate/gpu_operators.py measured).",
     )
     environment: dict[str, str] = Field(
         default_factory=dict,

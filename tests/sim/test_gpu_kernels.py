@@ -209,6 +209,10 @@ def test_a_run_says_what_priced_its_steps() -> None:
     h200 = run("H200-141GB")
     assert h200["calibration"] is None
     assert "datasheet roofline (H200-141GB" in step_time_source(h200)
+    torch_tables = {**h200, "calibration": {"source": "torch-operator-tables", "hardware": "X"}}
+    assert step_time_source(torch_tables).startswith(
+        "step times: X kernel fit on operator measurements with torch kernels"
+    )
     measured = {**h200, "calibration": {"source": "vllm", "model": "tiny", "hardware": "cpu"}}
     assert (
         step_time_source(measured) == "step times: calibration profile (vllm) fitted on tiny / cpu"

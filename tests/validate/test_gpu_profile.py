@@ -9,8 +9,6 @@ from __future__ import annotations
 import copy
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ from sim.config.calibration import load_profile, save_profile
 from sim.config.hardware import resolve_hardware
 from sim.cost_model import CostModel, CostParams
 from sim.errors import KvsimConfigError
+from tests.validate.standalone import run_alone
 from validate.gpu_measure import (
     GEOMETRIES,
     RAW_FORMAT,
@@ -376,28 +375,11 @@ def test_cli_errors_exit_2_without_a_traceback(
 def test_the_measuring_script_runs_alone_without_kvsim(tmp_path: Path) -> None:
     """gpu_measure.py and gpu_stack.py copied alone (what goes onto a GPU box) run, import
     nothing of kvsim and write their errors as one line, exit status 2."""
-    for name in ("gpu_measure.py", "gpu_stack.py"):
-        (tmp_path / name).write_text(
-            (Path(__file__).resolve().parents[2] / "validate" / name).read_text()
-        )
-    script = tmp_path / "gpu_measure.py"
-    probe = (
-        "import runpy, sys\n"
-        f"sys.path.insert(0, {str(tmp_path)!r})  # what python3 gpu_measure.py does\n"
-        f"sys.argv = [{str(script)!r}, '--out', 'x.json', '--device', 'tpu']\n"
-        "try:\n"
-        f"    runpy.run_path({str(script)!r}, run_name='__main__')\n"
-        "except SystemExit as exc:\n"
-        "    code = exc.code\n"
-        "names = {m.split('.')[0] for m in sys.modules}\n"
-        "kvsim = sorted(names & {'sim', 'validate', 'dashboard'})\n"
-        "print('exit', code, 'kvsim', kvsim)\n"
+    last, stderr = run_alone(
+        tmp_path, ("gpu_measure.py", "gpu_stack.py"), ["--out", "x.json", "--device", "tpu"]
     )
-    done = subprocess.run(
-        [sys.executable, "-I", "-c", probe], cwd=tmp_path, capture_output=True, text=True
-    )
-    assert done.stdout.strip() == "exit 2 kvsim []"
-    assert done.stderr == "error: --device 'tpu' must be 'cuda' or 'cpu'\n"
+    assert last == "exit 2 kvsim []"
+    assert stderr == "error: --device 'tpu' must be 'cuda' or 'cpu'\n"
     assert not (tmp_path / "x.json").exists()
 
 

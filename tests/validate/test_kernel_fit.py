@@ -24,6 +24,7 @@ from validate.kernel_fit import (
     predicted_layer_s,
     roofline_layer_s,
 )
+from validate.vidur_profile import SOURCE, TORCH_SOURCE, table_provenance
 from validate.vidur_tables import OperatorTables, read_tables
 
 VIDUR = Path(__file__).parent / "data" / "vidur"
@@ -213,3 +214,47 @@ def test_each_tp_degree_and_regime_weighs_the_same_in_the_gemm_fit() -> None:
     weight_of_cell = [float(np.sum(weights[rows] ** 2)) for rows in cells]
     assert weight_of_cell == pytest.approx([weight_of_cell[0]] * 5)
     assert np.mean(weights**2) == pytest.approx(1.0)
+
+
+PROFILES = Path(__file__).resolve().parents[2] / "validate" / "profiles"
+
+
+def test_tables_measured_with_torch_are_named_by_their_meta(tmp_path: Path) -> None:
+    """validate/gpu_operators.py writes meta.json beside compute/: a profile fitted on such
+    tables says they are torch kernels on that device, not Vidur's."""
+    assert table_provenance(tmp_path) == (SOURCE, "n/a (operator kernels, not vLLM)", {})
+    (tmp_path / "meta.json").write_text("{not json")
+    assert table_provenance(tmp_path)[0] == SOURCE
+    meta = {"device": "NVIDIA H200", "torch": "2.11.0+cu130", "elementwise": "compiled"}
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "cuda": None, "done": []}))
+    source, version, environment = table_provenance(tmp_path)
+    assert source == TORCH_SOURCE == "torch-operator-tables"
+    assert version == "none (torch 2.11.0+cu130 kernels, not vLLM)"
+    assert environment == meta
+
+
+def test_the_committed_h200_fit_is_the_fit_of_the_committed_h200_tables() -> None:
+    """validate/profiles/h200-kernel-fit.json (opt-in, --calibration) was written by the
+    command in its created_by on validate/profiles/h200-operators: it prices those tables
+    with the errors it records (a refit takes a minute; this checks the pairing)."""
+    profile = load_profile(PROFILES / "h200-kernel-fit.json")
+    assert profile.created_by == (
+        "kvsim calibrate --vidur validate/profiles/h200-operators --gpu h200 --hardware H200-141GB"
+    )
+    assert (profile.source, profile.hardware) == ("torch-operator-tables", "H200-141GB")
+    assert profile.environment["device"] == "NVIDIA H200"
+    layers = read_tables(PROFILES / "h200-operators", "h200").layers
+    assert sorted(layers["model"].unique()) == [
+        "CodeLlama-34b-Instruct-hf",
+        "Llama-2-7b-hf",
+        "Llama-3.1-8B",
+        "Meta-Llama-3-70B",
+        "Qwen-72B",
+        "phi-2",
+    ]
+    assert profile.params.kernels is not None
+    predicted = predicted_layer_s(layers, profile.params.kernels, resolve_hardware("H200-141GB"))
+    error = np.abs(predicted / measured_layer_s(layers) - 1) * 100
+    assert profile.num_steps == len(layers) == 4767
+    assert np.median(error) == pytest.approx(profile.fit["median_abs_pct_error"], rel=1e-9)
+    assert error.max() == pytest.approx(profile.fit["max_abs_pct_error"], rel=1e-9)
