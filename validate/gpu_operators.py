@@ -385,7 +385,15 @@ def main(argv: list[str] | None = None) -> int:
         if name not in MODELS:
             parser.error(f"--models: unknown {name!r}; known: {', '.join(MODELS)}")
         names.append(name)
-    degrees = [int(t) for t in args.tp.split(",")]
+    try:
+        degrees = [int(t) for t in args.tp.split(",")]
+    except ValueError:
+        parser.error(f"--tp {args.tp!r}: a comma list of TP degrees, e.g. 1,2,4,8")
+    for option, value in (("--tp", min(degrees)), ("--max-tokens", args.max_tokens)):
+        if value < 1:
+            parser.error(f"{option} {value}: must be 1 or more")
+    if args.repeats < 1 or args.warmup < 0:
+        parser.error(f"--repeats {args.repeats} / --warmup {args.warmup}: need 1+ / 0+")
     elementwise = args.elementwise or ("compiled" if on_cuda else "eager")
     compile_error = _check_compiled(device) if elementwise == "compiled" else None
     if compile_error:
@@ -450,9 +458,14 @@ def main(argv: list[str] | None = None) -> int:
                 writer = csv.writer(handle)
                 writer.writerow(["model", "tp", "num_tokens", "op", "median_ms", "kernels"])
                 writer.writerows(kernel_rows)
-            meta["elapsed_s"] = round(time.perf_counter() - started, 1)
-            (args.out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
+            _write_meta(args.out, meta, started)
+    _write_meta(args.out, meta, started)  # also what was skipped or failed after the last
     return 0 if meta["done"] else 1
+
+
+def _write_meta(out: Path, meta: dict, started: float) -> None:
+    meta["elapsed_s"] = round(time.perf_counter() - started, 1)
+    (out / "meta.json").write_text(json.dumps(meta, indent=1) + "\n")
 
 
 if __name__ == "__main__":

@@ -131,11 +131,25 @@ def test_the_script_runs_alone_and_writes_tables_kvsim_reads(tmp_path: Path) -> 
     assert '"elementwise": "eager"' in (out / "meta.json").read_text()
 
 
-def test_a_bad_device_is_one_line_and_exit_2() -> None:
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--device", "tpu"], "--device 'tpu' must be 'cuda' or 'cpu'"),
+        (["--device", "cpu", "--tp", "1,x"], "--tp '1,x': a comma list of TP degrees"),
+        (["--device", "cpu", "--tp", "0"], "--tp 0: must be 1 or more"),
+        (["--device", "cpu", "--max-tokens", "0"], "--max-tokens 0: must be 1 or more"),
+        (["--device", "cpu", "--repeats", "0"], "--repeats 0 / --warmup 2: need 1+ / 0+"),
+        (["--device", "cpu", "--models", "x/y"], "--models: unknown 'x/y'"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(
+    tmp_path: Path, argv: list[str], message: str
+) -> None:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--out", "x", "--device", "tpu"],
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path / "x"), *argv],
         capture_output=True,
         text=True,
     )
     assert done.returncode == 2
-    assert done.stderr.strip().splitlines()[-1].endswith("--device 'tpu' must be 'cuda' or 'cpu'")
+    assert message in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "x").exists()
