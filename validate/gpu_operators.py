@@ -380,11 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     on_cuda = device.type == "cuda"
     if on_cuda and not torch.cuda.is_available():
         parser.error("--device cuda: torch sees no CUDA device")
-    names = [n for n in MODELS if n != "test/tiny"] if args.models == "all" else []
-    for name in args.models.split(",") if args.models != "all" else []:
+    if args.models == "all":
+        names = [name for name in MODELS if name != "test/tiny"]
+    else:
+        names = args.models.split(",")
+    for name in names:
         if name not in MODELS:
             parser.error(f"--models: unknown {name!r}; known: {', '.join(MODELS)}")
-        names.append(name)
     try:
         degrees = [int(t) for t in args.tp.split(",")]
     except ValueError:
@@ -418,6 +420,7 @@ def main(argv: list[str] | None = None) -> int:
         "token_counts": counts,
         "done": [],
         "skipped": [],
+        "failed": [],
     }
     kernel_rows: list[list[object]] = []
     args.out.mkdir(parents=True, exist_ok=True)
@@ -435,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
                 layer = Layer(name, tp, device, torch.float16, elementwise == "compiled")
                 times, kernels = time_layer(layer, counts, args.repeats, args.warmup, on_cuda)
             except Exception as exc:  # one model's failure should not lose the others
-                meta["failed"] = [*meta.get("failed", []), f"{name} tp{tp}: {exc!r}"[:500]]
+                meta["failed"].append(f"{name} tp{tp}: {exc!r}"[:500])
                 print(f"{name} tp{tp}: failed: {exc!r}", flush=True)
                 continue
             for count in counts:
