@@ -8,7 +8,9 @@ operators plus the measured all-reduce at that message size). The same figures f
 datasheet roofline, at the cost model's old default efficiencies (compute 0.6, bandwidth 0.8)
 and at the efficiencies fitted on the same held-in models.
 
-    python benchmarks/bench_gpu_cost_model.py [--vidur ../shared/data/vidur]
+    python benchmarks/bench_gpu_cost_model.py [--vidur ../shared/data/vidur] [--no-throttle]
+
+``--no-throttle`` fits the kernel model without its power-cap term (the model before it).
 
 Attention is not in these tables, so it is not in these figures.
 """
@@ -53,7 +55,7 @@ def measured_allreduce_s(tables: OperatorTables, tp: int, nbytes: np.ndarray) ->
     return np.exp(np.interp(np.log(nbytes), x, y))
 
 
-def lomo(tables: OperatorTables, hardware_name: str) -> pd.DataFrame:
+def lomo(tables: OperatorTables, hardware_name: str, throttle: bool = True) -> pd.DataFrame:
     hardware = resolve_hardware(hardware_name)
     out = []
     for held in tables.models:
@@ -61,7 +63,7 @@ def lomo(tables: OperatorTables, hardware_name: str) -> pd.DataFrame:
             tables.gpu, tables.layers[tables.layers["model"] != held], tables.allreduce
         )
         test = tables.layers[tables.layers["model"] == held].reset_index(drop=True)
-        params = fit_kernel_params(train, hardware)
+        params = fit_kernel_params(train, hardware, throttle=throttle)
         fitted_roofline = fit_roofline(train.layers, hardware)
         frame = test[["model", "num_tokens", "num_tensor_parallel_workers"]].copy()
         frame["measured"] = measured_layer_s(test)
@@ -108,10 +110,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--vidur", type=Path, default=ROOT.parent / "shared" / "data" / "vidur")
     parser.add_argument("--csv", type=Path, help="Write every prediction here.")
+    parser.add_argument(
+        "--no-throttle", action="store_true", help="fit the kernel model without the power cap"
+    )
     args = parser.parse_args()
     start = time.perf_counter()
     results = pd.concat(
-        [lomo(read_tables(args.vidur, gpu), hw) for gpu, hw in VIDUR_GPUS.items()],
+        [
+            lomo(read_tables(args.vidur, gpu), hw, throttle=not args.no_throttle)
+            for gpu, hw in VIDUR_GPUS.items()
+        ],
         ignore_index=True,
     )
     if args.csv:

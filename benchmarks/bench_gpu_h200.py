@@ -19,7 +19,7 @@ a layer's GEMMs jump by more than 10% (25%) from one token count to the next in 
 
     python benchmarks/bench_gpu_h200.py [--vidur ../shared/data/vidur] [--quick]
 
-``--quick`` skips the leave-one-model-out fits (six fits, ~10 minutes on 2 cores); the
+``--quick`` skips the leave-one-model-out fits (six fits, ~4 minutes on 2 cores); the
 in-sample figures price the tables with the committed fit,
 ``validate/profiles/h200-kernel-fit.json``.
 """

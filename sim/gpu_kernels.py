@@ -15,6 +15,8 @@ kernel ``(tile_m, tile_n, split_k)`` of :data:`KERNEL_CONFIGS` runs
     memory_s  = bytes / (BW * bandwidth_efficiency) / min(1, ctas / (sm_count * full_ctas))^g
     tile_s    = ctas * (tile_m + tile_n) * (K / split_k) * dtype_bytes
                 / (BW * tile_bandwidth_factor)
+    compute_s = compute_s * (1 + throttle_slowdown * (1 - (1 - exp(-x)) / x)),
+                x = the run's unthrottled compute / throttle_time_s   (the power cap, below)
     kernel_s  = (compute_s^p + memory_s^p + tile_s^p)^(1/p)   (a soft max: p large -> max)
     gemm_s    = floor_s + sum over kernels of w * kernel_s / sum of w,
                 w = exp(-(kernel_s / fastest kernel_s - 1) / selection_spread)
@@ -29,6 +31,20 @@ occupancy term lowers the bandwidth of a GEMM so small that even split eight way
 SMs idle; ``tile_s`` charges each thread block for streaming its input tiles (mostly from L2),
 which favours large tiles for large GEMMs; ``floor_s`` is the launch and tail of one kernel,
 and what mostly makes small TP shards read at a lower bandwidth.
+
+The power cap: a GPU that keeps its tensor cores busy reaches its board power limit and
+lowers its clock, so sustained compute runs slower per FLOP than a burst (an H200 measured
+with ``validate/gpu_power.py`` ran back-to-back GEMMs at full clock for ~40 ms of compute, then
+16-18% slower; Vidur's H100 tables run the 34B and 72B models' prefill GEMMs at 666-678
+TFLOP/s where the 7B and phi-2's, whose layer passes are shorter, reach 701-708). A
+first-order model: over a run of ``x`` time constants (``throttle_time_s``) of compute the
+clock sags towards ``1 / (1 + throttle_slowdown)`` of its burst rate, a share
+``1 - (1 - exp(-x)) / x`` of the run's compute being throttled. The run is one layer pass's
+GEMMs when pricing the operator tables (they time one layer at a time, pass after pass) and
+every layer of a step in a simulation (a step runs them back to back): :func:`layer_gemms_time_s`.
+Only the compute term is slowed: weight-bound GEMMs (decodes) are left alone.
+``throttle_slowdown`` 0 (the default, and the shipped H100 and A100 fits, which predate the
+term) is no throttle.
 
 Element-wise operators (norms, RoPE, activation, residual add, embedding gather) cost a floor
 plus their bytes at a fitted bandwidth. A tensor-parallel all-reduce of ``bytes`` costs
@@ -97,6 +113,18 @@ class GemmFit(BaseModel):
         description="How far the library's kernel choice strays from the fastest: the time "
         "is the average of the kernels weighted by exp(-(time / fastest - 1) / spread) "
         "(0: the fastest).",
+    )
+    throttle_slowdown: float = Field(
+        0.0,
+        ge=0,
+        description="Power cap: how much slower per FLOP sustained compute runs than a short "
+        "burst (0: no throttle).",
+    )
+    throttle_time_s: float = Field(
+        1e-3,
+        gt=0,
+        description="Power cap: seconds of compute over which the clock sags to its "
+        "throttled rate (a first-order time constant).",
     )
 
 
@@ -224,9 +252,11 @@ def gemm_time_s(
     flops_per_s: float,
     bandwidth_bytes_per_s: float,
     dtype_bytes: int = 2,
+    sustained_s: np.ndarray | None = None,
 ) -> np.ndarray:
     """Seconds of ``m`` x ``k`` -> ``n`` GEMMs, elementwise over the arrays (see module
-    docstring)."""
+    docstring). ``sustained_s``: the unthrottled time of the run the GEMM is part of, for the
+    power cap (default: the kernel alone, e.g. the lm_head)."""
     m = np.asarray(m, dtype=float)
     k = np.asarray(k, dtype=float)
     n = np.asarray(n, dtype=float)
@@ -241,6 +271,11 @@ def gemm_time_s(
         waves = np.ceil(ctas / sm_count)
         compute_s = waves * sm_count * 2.0 * tile_m * tile_n * (k / split_k) / flops_per_s
         compute_s = compute_s / fit.compute_efficiency
+        if fit.throttle_slowdown > 0:
+            run_s = compute_s if sustained_s is None else sustained_s
+            compute_s = compute_s * (
+                1.0 + fit.throttle_slowdown * throttled_share(run_s / fit.throttle_time_s)
+            )
         occupancy = np.minimum(1.0, ctas / (sm_count * fit.full_ctas_per_sm))
         memory_s = nbytes / (bandwidth_bytes_per_s * fit.bandwidth_efficiency)
         with np.errstate(divide="ignore"):  # no thread block (m or n is 0): infinite
@@ -257,6 +292,38 @@ def gemm_time_s(
         weights = np.exp(-(stacked / best - 1.0) / fit.selection_spread)
         average = (weights * stacked).sum(axis=0) / weights.sum(axis=0)
     return fit.floor_s + np.where(np.isfinite(best), average, best)
+
+
+def layer_gemms_time_s(
+    m: np.ndarray,
+    gemms: list[tuple[int, int]],
+    fit: GemmFit,
+    sm_count: int,
+    flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+    dtype_bytes: int = 2,
+    run_layers: int = 1,
+) -> np.ndarray:
+    """Seconds of one layer's GEMMs (``(K, N)`` each) per token count ``m``, in a run of
+    ``run_layers`` such layers back to back: under a power cap the run's GEMMs share one
+    throttle, its length their unthrottled time."""
+    hw = (sm_count, flops_per_s, bandwidth_bytes_per_s, dtype_bytes)
+    sustained = None
+    if fit.throttle_slowdown > 0:
+        cool = fit.model_copy(update={"throttle_slowdown": 0.0})
+        sustained = run_layers * sum(gemm_time_s(m, k, n, cool, *hw) for k, n in gemms)
+    total = np.zeros(np.shape(m))
+    for k, n in gemms:
+        total = total + gemm_time_s(m, k, n, fit, *hw, sustained_s=sustained)
+    return total
+
+
+def throttled_share(x: np.ndarray) -> np.ndarray:
+    """The share of a run of ``x`` time constants of compute spent throttled, where the
+    throttle approaches exponentially: ``1 - (1 - exp(-x)) / x`` (0 at x = 0, 1 as x grows)."""
+    x = np.asarray(x, dtype=float)
+    ramp = np.divide(-np.expm1(-x), x, out=np.ones(x.shape), where=x > 0)
+    return 1.0 - ramp
 
 
 def elementwise_time_s(
@@ -297,22 +364,25 @@ class OperatorTimer:
         """Whether the fit has all-reduce measurements for this TP (False without TP)."""
         return self._allreduce is not None
 
-    def gemms_time_s(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Seconds of one layer's four GEMMs per token count."""
-        sm_count, flops, bw = self._hw
-        m = np.asarray(num_tokens, dtype=float)
-        total = np.zeros(m.shape)
-        for k, n in self.shape.gemms().values():
-            total += gemm_time_s(
-                m, k, n, self.params.gemm, sm_count, flops, bw, self.shape.dtype_bytes
-            )
-        return total
+    def gemms_time_s(self, num_tokens: np.ndarray, run_layers: int = 1) -> np.ndarray:
+        """Seconds of one layer's four GEMMs per token count, in a run of ``run_layers``
+        layers back to back (the power cap's run: one pass, as the operator tables time a
+        layer, or a whole step)."""
+        return layer_gemms_time_s(
+            np.asarray(num_tokens, dtype=float),
+            list(self.shape.gemms().values()),
+            self.params.gemm,
+            *self._hw,
+            self.shape.dtype_bytes,
+            run_layers,
+        )
 
-    def layer_time_s(self, num_tokens: np.ndarray) -> np.ndarray:
-        """Seconds of one layer's non-attention operators (no all-reduce) per token count."""
+    def layer_time_s(self, num_tokens: np.ndarray, run_layers: int = 1) -> np.ndarray:
+        """Seconds of one layer's non-attention operators (no all-reduce) per token count
+        (``run_layers``: as in :meth:`gemms_time_s`)."""
         _, _, bw = self._hw
         m = np.asarray(num_tokens, dtype=float)
-        total = self.gemms_time_s(m)
+        total = self.gemms_time_s(m, run_layers)
         for kind, per_token in self.shape.elementwise_bytes().values():
             total += elementwise_time_s(m * per_token, self.params.elementwise[kind], bw)
         return total
@@ -333,7 +403,8 @@ class OperatorTimer:
             self.params.elementwise["embedding"],
             bw,
         )
-        return embedding + self.num_layers * (self.layer_time_s(m) + 2 * self.allreduce_time_s(m))
+        layer = self.layer_time_s(m, run_layers=self.num_layers)  # a step: every layer in a run
+        return embedding + self.num_layers * (layer + 2 * self.allreduce_time_s(m))
 
     def lm_head_times_s(self, num_rows: np.ndarray) -> np.ndarray:
         """The lm_head GEMM per row count (vLLM computes logits for every request)."""

@@ -283,6 +283,14 @@ def calibrate_cmd(
         str | None,
         typer.Option(help="With --vidur: the hardware preset measured (default: by --gpu)."),
     ] = None,
+    no_power_cap: Annotated[
+        bool,
+        typer.Option(
+            "--no-power-cap",
+            help="With --vidur: fit without the power-cap term (sustained compute slower per "
+            "FLOP), as the shipped H100 and A100 fits were.",
+        ),
+    ] = False,
     leave_one_out: Annotated[
         bool,
         typer.Option(
@@ -309,8 +317,10 @@ def calibrate_cmd(
             raise KvsimConfigError(
                 "give either run directories or --vidur DIR (not both, not neither)"
             )
-        if vidur is None and (gpu is not None or hardware is not None):
-            raise KvsimConfigError("--gpu and --hardware only apply with --vidur DIR")
+        if vidur is None and (gpu is not None or hardware is not None or no_power_cap):
+            raise KvsimConfigError(
+                "--gpu, --hardware and --no-power-cap only apply with --vidur DIR"
+            )
         if vidur is not None and leave_one_out:
             raise KvsimConfigError("--leave-one-out applies to run directories, not --vidur")
         gpu = gpu or "h100"
@@ -326,7 +336,7 @@ def calibrate_cmd(
 
             hw = resolve_hardware(hardware) if hardware is not None else None
             with console.status(f"fitting kernel parameters on {vidur}/compute/{gpu} ..."):
-                profile = vidur_profile(vidur, gpu, hw)
+                profile = vidur_profile(vidur, gpu, hw, power_cap=not no_power_cap)
             notes = vidur_warnings(profile, gpu)
         else:
             measured = load_measured(runs or [])
@@ -351,6 +361,14 @@ def calibrate_cmd(
             f"max {fit['max_abs_pct_error']:.1f}% per layer; wrote {output}",
             highlight=False,
         )
+        gemm = profile.params.kernels.gemm if profile.params.kernels else None
+        if gemm is not None and gemm.throttle_slowdown > 0:
+            console.print(
+                f"power cap: sustained compute {gemm.throttle_slowdown:.0%} slower per FLOP "
+                f"than a short burst (time constant {gemm.throttle_time_s * 1e3:.2g} ms of a "
+                "layer pass's GEMMs; a step runs as one pass of all its layers)",
+                highlight=False,
+            )
         return
     console.print(
         f"fitted {profile.num_steps} steps of {profile.model} on {profile.hardware} "

@@ -93,8 +93,11 @@ def gemm_samples(layers: pd.DataFrame) -> pd.DataFrame:
 
 
 def _gemm_fit(theta: np.ndarray) -> GemmFit:
-    floor, inv_bw, inv_compute, full_ctas, exponent, overlap, tile_bw, spread = theta
+    floor, inv_bw, inv_compute, full_ctas, exponent, overlap, tile_bw, spread = theta[:8]
+    slowdown, throttle_time = theta[8:] if len(theta) > 8 else (0.0, np.log(1e-3))
     return GemmFit(
+        throttle_slowdown=float(slowdown),
+        throttle_time_s=float(np.exp(throttle_time)),
         selection_spread=float(np.exp(spread)),
         tile_bandwidth_factor=float(np.exp(tile_bw)),
         floor_s=float(np.exp(floor)),
@@ -112,10 +115,12 @@ def fit_gemm(
     layer_s: np.ndarray | None = None,
     other_s: np.ndarray | None = None,
     weights: np.ndarray | None = None,
+    throttle: bool = True,
 ) -> GemmFit:
     """The GEMM parameters that best price ``samples`` on ``hardware``: each GEMM's time, or
     with ``layer_s`` each layer's (its GEMMs, by the samples' ``row``, plus ``other_s``),
-    its residual scaled by ``weights`` when given."""
+    its residual scaled by ``weights`` when given; ``throttle=False`` leaves the power cap
+    out (the model before it)."""
     sm_count = sm_count_of(hardware)
     m, k, n = (samples[c].to_numpy(dtype=float) for c in ("m", "k", "n"))
     measured = samples["time_s"].to_numpy(dtype=float)
@@ -123,7 +128,14 @@ def fit_gemm(
     flops, bw = hardware.bf16_flops_per_s, hardware.hbm_bandwidth_bytes_per_s
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        predicted = gemm_time_s(m, k, n, _gemm_fit(theta), sm_count, flops, bw)
+        fit = _gemm_fit(theta)
+        sustained = None
+        if rows is not None and fit.throttle_slowdown > 0:
+            # The power cap's run: the layer pass's GEMMs (sim.gpu_kernels.layer_gemms_time_s).
+            cool = fit.model_copy(update={"throttle_slowdown": 0.0})
+            cool_s = gemm_time_s(m, k, n, cool, sm_count, flops, bw)
+            sustained = np.bincount(rows, cool_s, minlength=len(layer_s))[rows]
+        predicted = gemm_time_s(m, k, n, fit, sm_count, flops, bw, sustained_s=sustained)
         if layer_s is None:
             return np.log(predicted / measured)
         total = np.bincount(rows, predicted, minlength=len(layer_s)) + other_s
@@ -132,21 +144,28 @@ def fit_gemm(
             return np.log(total[keep] / layer_s[keep])
         return weights[keep] * np.log(total[keep] / layer_s[keep])
 
-    lower = [np.log(1e-8), 0.0, 0.0, -3.0, 0.0, 0.0, 0.0, np.log(1e-3)]
-    upper = [np.log(1e-4), 3.0, 3.0, 3.0, 2.0, np.log(20.0), np.log(100.0), np.log(0.3)]
+    lower = [np.log(1e-8), 0.0, 0.0, -3.0, 0.0, 0.0, 0.0, np.log(1e-3), 0.0, np.log(1e-5)]
+    upper = [np.log(1e-4), 3.0, 3.0, 3.0, 2.0, np.log(20.0), np.log(100.0), np.log(0.3), 1.0, 0.0]
     # The kernel choice (a minimum over tiles) makes the loss rugged: start from a few
     # points and keep the best fit.
+    size = len(lower) if throttle else 8
     fits = [
-        least_squares(residuals, x0=x0, bounds=(lower, upper), loss="soft_l1", f_scale=_F_SCALE)
+        least_squares(
+            residuals,
+            x0=x0[:size],
+            bounds=(lower[:size], upper[:size]),
+            loss="soft_l1",
+            f_scale=_F_SCALE,
+        )
         for x0 in _GEMM_STARTS
     ]
     return _gemm_fit(min(fits, key=lambda fit: fit.cost).x)
 
 
 _GEMM_STARTS = (
-    [np.log(4e-6), 0.1, 0.3, 0.0, 0.5, np.log(4.0), np.log(5.0), np.log(0.05)],
-    [np.log(2e-6), 0.2, 0.2, 1.0, 1.0, np.log(3.0), np.log(20.0), np.log(0.01)],
-    [np.log(5e-6), 0.05, 0.1, -1.0, 0.2, np.log(10.0), np.log(3.0), np.log(0.2)],
+    [np.log(4e-6), 0.1, 0.3, 0.0, 0.5, np.log(4.0), np.log(5.0), np.log(0.05), 0.1, np.log(1e-3)],
+    [np.log(2e-6), 0.2, 0.2, 1.0, 1.0, np.log(3.0), np.log(20.0), np.log(0.01), 0.05, np.log(3e-4)],
+    [np.log(5e-6), 0.05, 0.1, -1.0, 0.2, np.log(10.0), np.log(3.0), np.log(0.2), 0.2, np.log(3e-3)],
 )
 
 
@@ -219,8 +238,11 @@ def fit_allreduce(samples: pd.DataFrame) -> list[AllReduceFit]:
     return fits
 
 
-def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParams:
-    """Every kernel parameter of one GPU from its operator and all-reduce tables."""
+def fit_kernel_params(
+    tables: OperatorTables, hardware: Hardware, throttle: bool = True
+) -> KernelParams:
+    """Every kernel parameter of one GPU from its operator and all-reduce tables
+    (``throttle``: as in :func:`fit_gemm`)."""
     if tables.layers.empty:
         raise KvsimConfigError(f"no operator measurements for GPU {tables.gpu!r}")
     layers = tables.layers.reset_index(drop=True)
@@ -228,7 +250,12 @@ def fit_kernel_params(tables: OperatorTables, hardware: Hardware) -> KernelParam
     other_s = _elementwise_layer_s(layers, _by_shape(layers), elementwise, hardware)
     return KernelParams(
         gemm=fit_gemm(
-            gemm_samples(layers), hardware, measured_layer_s(layers), other_s, _cell_weights(layers)
+            gemm_samples(layers),
+            hardware,
+            measured_layer_s(layers),
+            other_s,
+            _cell_weights(layers),
+            throttle,
         ),
         elementwise=elementwise,
         allreduce=fit_allreduce(tables.allreduce),

@@ -49,9 +49,10 @@ def table_provenance(root: Path) -> tuple[str, str, dict[str, str]]:
 
 
 def vidur_profile(
-    root: str | Path, gpu: str, hardware: Hardware | None = None
+    root: str | Path, gpu: str, hardware: Hardware | None = None, power_cap: bool = True
 ) -> CalibrationProfile:
-    """Fit every kernel parameter of ``gpu`` on the tables under ``root``."""
+    """Fit every kernel parameter of ``gpu`` on the tables under ``root`` (``power_cap``:
+    with the GEMM model's power-cap term)."""
     tables = read_tables(root, gpu)
     command = f"kvsim calibrate --vidur {root} --gpu {gpu}"
     if hardware is not None:
@@ -64,7 +65,9 @@ def vidur_profile(
             f"(known Vidur GPUs: {', '.join(VIDUR_GPUS)})"
         )
     source, vllm_version, environment = table_provenance(Path(root))
-    kernels = fit_kernel_params(tables, hardware)
+    if not power_cap:
+        command += " --no-power-cap"
+    kernels = fit_kernel_params(tables, hardware, throttle=power_cap)
     compute_eff, bandwidth_eff = fit_roofline(tables.layers, hardware)
     measured = measured_layer_s(tables.layers)
     predicted = predicted_layer_s(tables.layers, kernels, hardware)

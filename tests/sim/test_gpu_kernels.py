@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pydantic
 import pytest
 
-from sim.config.calibration import shipped_profile
+from sim.config.calibration import load_profile, shipped_profile
 from sim.config.hardware import HARDWARE_PRESETS, Hardware, resolve_hardware
 from sim.config.model import resolve_model
 from sim.cost_model import CostModel, CostParams
@@ -19,6 +21,7 @@ from sim.gpu_kernels import (
     LayerShape,
     OperatorTimer,
     gemm_time_s,
+    throttled_share,
 )
 from sim.scheduler.output import BatchShape
 
@@ -353,3 +356,63 @@ def test_selection_spread_keeps_an_empty_gemm_infinite_not_nan() -> None:
     assert not np.isnan(spread).any()
     assert spread[0] == fastest[0] == np.inf
     assert np.isfinite(spread[1]) and spread[1] >= fastest[1]
+
+
+def test_throttled_share_ramps_from_none_to_all() -> None:
+    x = np.array([0.0, 1e-9, 1e-3, 1.0, 10.0, 1e6])
+    share = throttled_share(x)
+    assert share[0] == 0.0 and not np.isnan(share).any()
+    assert share[1] == pytest.approx(0.5e-9, rel=1e-3) and share[2] == pytest.approx(5e-4, rel=1e-3)
+    assert share[3] == pytest.approx(np.exp(-1.0), rel=1e-9)  # 1 - (1 - 1/e) / 1
+    assert np.all(np.diff(share) > 0) and share[-1] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_the_power_cap_slows_long_compute_bound_gemms_not_decodes() -> None:
+    """A throttle slows a long compute-bound GEMM towards 1 + slowdown times its unthrottled
+    time, a short one by less, and leaves a memory-bound decode GEMM as it was."""
+    throttled = SIMPLE_GEMM.model_copy(update={"throttle_slowdown": 0.15, "throttle_time_s": 2e-4})
+    m = np.array([1.0, 16.0, 512.0, 4096.0])
+
+    def price(fit: GemmFit) -> np.ndarray:
+        return gemm_time_s(
+            m, 8192, 49152, fit, 132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s
+        )
+
+    ratio = price(throttled) / price(SIMPLE_GEMM)
+    assert ratio[0] == pytest.approx(1.0, abs=1e-3) and ratio[1] == pytest.approx(1.0, abs=1e-3)
+    assert 1.0 < ratio[2] < ratio[3] < 1.15
+    assert ratio[3] > 1.13  # ~5 ms of compute: 25 time constants, nearly all throttled
+    # The default (and every fit made before the term) has no throttle.
+    assert SIMPLE_GEMM.throttle_slowdown == 0.0
+
+
+def test_a_step_runs_its_layers_as_one_power_cap_run() -> None:
+    """The operator tables time one layer pass at a time; a step runs every layer back to back,
+    so its compute-bound GEMMs are priced further into the throttle than one pass is (the
+    committed H200 fit's), and a decode (weight-bound) is not slowed."""
+    profile = load_profile(Path(__file__).parents[2] / "validate/profiles/h200-kernel-fit.json")
+    params = profile.params.kernels
+    assert params is not None
+    slowdown = params.gemm.throttle_slowdown
+    assert 0.1 < slowdown < 1.0
+    h200 = resolve_hardware("H200-141GB")
+
+    def timer_with(throttle: float) -> OperatorTimer:
+        gemm = params.gemm.model_copy(update={"throttle_slowdown": throttle})
+        kernels = params.model_copy(update={"gemm": gemm})
+        hw = (132, h200.bf16_flops_per_s, h200.hbm_bandwidth_bytes_per_s)
+        return OperatorTimer(LLAMA2_7B_LAYER, 32, kernels, *hw)
+
+    step, cool_step = timer_with(slowdown), timer_with(0.0)
+    m = np.array([1.0, 4096.0])
+    one_pass = step.gemms_time_s(m)
+    in_a_step = step.gemms_time_s(m, run_layers=32)
+    cool = cool_step.gemms_time_s(m)
+    assert in_a_step[0] == pytest.approx(cool[0], rel=2e-3)
+    assert cool[1] < one_pass[1] < in_a_step[1] < (1 + slowdown) * cool[1]
+    assert in_a_step[1] > 1.1 * cool[1]
+    # A step's body prices its layers in the step's run: what is left is the embedding.
+    embedding = step.body_times_s(m) - 32 * step.layer_time_s(m, run_layers=32)
+    assert embedding == pytest.approx(
+        cool_step.body_times_s(m) - 32 * cool_step.layer_time_s(m), abs=1e-10
+    )

@@ -24,10 +24,11 @@ from validate.kernel_fit import (
     predicted_layer_s,
     roofline_layer_s,
 )
-from validate.vidur_profile import SOURCE, TORCH_SOURCE, table_provenance
+from validate.vidur_profile import SOURCE, TORCH_SOURCE, table_provenance, vidur_profile
 from validate.vidur_tables import OperatorTables, read_tables
 
 VIDUR = Path(__file__).parent / "data" / "vidur"
+ROOT = Path(__file__).resolve().parents[2]
 H100 = resolve_hardware("H100-SXM-80GB")
 runner = CliRunner()
 
@@ -80,6 +81,47 @@ def test_the_gemm_fit_recovers_the_parameters_that_generated_the_times() -> None
     assert fitted.floor_s == pytest.approx(4e-6, rel=0.1)
 
 
+def test_the_gemm_fit_recovers_a_power_cap_throttle() -> None:
+    """Times generated with a throttle (long compute-bound GEMMs 12% slower per FLOP) are
+    fitted back to it: the fit tells the throttle from a lower compute efficiency because
+    short compute-bound GEMMs are not slowed."""
+    truth = GemmFit(
+        floor_s=4e-6,
+        compute_efficiency=0.8,
+        bandwidth_efficiency=0.85,
+        full_ctas_per_sm=1.5,
+        occupancy_exponent=0.6,
+        overlap_exponent=3.0,
+        tile_bandwidth_factor=8.0,
+        throttle_slowdown=0.12,
+        throttle_time_s=5e-4,
+    )
+    rng = np.random.default_rng(1)
+    m = rng.choice([1, 8, 64, 128, 256, 512, 1024, 2048, 4096], 500).astype(float)
+    k = rng.choice([2560, 4096, 8192, 11008, 24576], 500).astype(float)
+    n = rng.choice([2560, 4096, 12288, 22016, 49152], 500).astype(float)
+    hw = (132, H100.bf16_flops_per_s, H100.hbm_bandwidth_bytes_per_s)
+    time_s = gemm_time_s(m, k, n, truth, *hw)
+    fitted = fit_gemm(pd.DataFrame({"m": m, "k": k, "n": n, "time_s": time_s}), H100)
+    assert np.abs(gemm_time_s(m, k, n, fitted, *hw) / time_s - 1).max() < 0.01
+    assert fitted.throttle_slowdown == pytest.approx(0.12, rel=0.25)
+    assert fitted.compute_efficiency == pytest.approx(0.8, rel=0.05)
+
+
+def test_the_shipped_fits_predate_the_power_cap_and_say_so() -> None:
+    """The shipped H100 and A100 fits were fitted without the power-cap term: their
+    created_by carries --no-power-cap, which fits with the term held at zero."""
+    for name in ("h100-sxm-80gb", "a100-80gb"):
+        shipped = load_profile(ROOT / "sim" / "config" / "kernel_fits" / f"{name}.json")
+        assert shipped.created_by.endswith("--no-power-cap")
+        assert shipped.params.kernels is not None
+        assert shipped.params.kernels.gemm.throttle_slowdown == 0.0
+    without = vidur_profile(VIDUR, "h100", power_cap=False)
+    assert without.created_by == f"kvsim calibrate --vidur {VIDUR} --gpu h100 --no-power-cap"
+    assert without.params.kernels is not None
+    assert without.params.kernels.gemm.throttle_slowdown == 0.0
+
+
 def test_a_model_left_out_of_the_fit_is_predicted_from_its_shapes() -> None:
     tables = read_tables(VIDUR, "h100")
     held = "Llama-2-7b-hf"
@@ -102,6 +144,7 @@ def test_calibrate_vidur_writes_a_profile_that_runs(tmp_path: Path) -> None:
     )
     assert result.exit_code == 0, result.output
     assert "fitted kernel parameters of H100-SXM-80GB" in result.output
+    assert "power cap: sustained compute" in result.output
     profile = load_profile(out)
     assert profile.source == "vidur-operator-tables" and profile.params.mode == "operators"
     assert profile.params.kernels is not None
@@ -131,7 +174,8 @@ def test_calibrate_vidur_writes_a_profile_that_runs(tmp_path: Path) -> None:
         (["--gpu", "h100"], "either run directories or --vidur"),
         (["--vidur", str(VIDUR), "--gpu", "tpu"], "GPUs there: h100"),
         (["--vidur", str(VIDUR), "--gpu", "h100", "--hardware", "nope"], "not a preset"),
-        (["runs/x", "--gpu", "a100"], "--gpu and --hardware only apply with --vidur"),
+        (["runs/x", "--gpu", "a100"], "--gpu, --hardware and --no-power-cap only apply with"),
+        (["runs/x", "--no-power-cap"], "--gpu, --hardware and --no-power-cap only apply with"),
     ],
 )
 def test_calibrate_vidur_refuses_bad_arguments(
