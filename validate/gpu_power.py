@@ -27,6 +27,7 @@ import platform
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -55,7 +56,7 @@ class Timer:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def chain(self, fn, count: int) -> list[float]:
+    def chain(self, fn: Callable[[], None], count: int) -> list[float]:
         """Seconds of each of ``count`` calls of ``fn`` run back to back."""
         if not self.cuda:
             times = []
@@ -86,7 +87,7 @@ def read_clock_and_power(device: torch.device) -> dict[str, float | None]:
     return out
 
 
-def gemm(device: torch.device, m: int, k: int, n: int):
+def gemm(device: torch.device, m: int, k: int, n: int) -> Callable[[], None]:
     """A closure running one ``m`` x ``k`` -> ``n`` fp16 GEMM (fp32 on a CPU)."""
     dtype = torch.float16 if device.type == "cuda" else torch.float32
     a = torch.randn(m, k, device=device, dtype=dtype)
