@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -30,7 +29,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from validate.vidur_tables import GEMM_OPS, layer_shape, read_tables  # noqa: E402
+from validate.kernel_fit import gemm_samples  # noqa: E402
+from validate.vidur_tables import read_tables  # noqa: E402
 
 POWER = ROOT / "validate" / "profiles" / "h200-power" / "power.json"
 H200_TABLES = ROOT / "validate" / "profiles" / "h200-operators"
@@ -55,15 +55,19 @@ def table_tflops(tables_root: Path, gpu: str) -> dict[str, float]:
     layers = read_tables(tables_root, gpu).layers
     layers = layers[
         (layers["num_tensor_parallel_workers"] == 1) & layers["num_tokens"].between(2048, 4096)
-    ]
-    out: dict[str, list[float]] = {}
-    for _, row in layers.iterrows():
-        shape = layer_shape(row)
-        for op in GEMM_OPS:
-            k, n = shape.gemms()[op]
-            flops = 2.0 * row["num_tokens"] * k * n
-            out.setdefault(row["model"], []).append(flops / row[op] / 1e12)
-    return {model: statistics.median(values) for model, values in sorted(out.items())}
+    ].reset_index(drop=True)
+    gemms = gemm_samples(layers)
+    tflops = 2.0 * gemms["m"] * gemms["k"] * gemms["n"] / gemms["time_s"] / 1e12
+    models = layers["model"].to_numpy()[gemms["row"].to_numpy()]
+    return tflops.groupby(models).median().sort_index().to_dict()
+
+
+def table(title: str, columns: tuple[str, ...]) -> Table:
+    """A rich table with right-aligned ``columns``."""
+    out = Table(title=title)
+    for column in columns:
+        out.add_column(column, justify="right")
+    return out
 
 
 def main() -> None:
@@ -77,11 +81,18 @@ def main() -> None:
         f"{data['idle']['clock_mhz']} MHz, {data['idle']['power_w']} W; "
         f"{data['cool_s']} s idle before each start, median of {data['trials']} starts"
     )
-    chains = Table(title="Sag chains: one GEMM back to back after an idle pause")
-    for column in ("GEMM (M x K -> N)", "kernels", "run ms", "full-clock ms", "throttled ms"):
-        chains.add_column(column, justify="right")
-    chains.add_column("slower", justify="right")
-    chains.add_column("onset after (ms of compute)", justify="right")
+    chains = table(
+        "Sag chains: one GEMM back to back after an idle pause",
+        (
+            "GEMM (M x K -> N)",
+            "kernels",
+            "run ms",
+            "full-clock ms",
+            "throttled ms",
+            "slower",
+            "onset after (ms of compute)",
+        ),
+    )
     for chain in data["sag"]:
         result = sag(chain)
         chains.add_row(
@@ -94,11 +105,18 @@ def main() -> None:
             f"{result['onset_s'] * 1e3:.0f}",
         )
     console.print(chains)
-    lengths = Table(title="Single GEMMs: started after an idle pause vs sustained (TFLOP/s)")
-    for column in ("GEMM (K -> N)", "M", "ms started", "TFLOP/s started", "ms sustained"):
-        lengths.add_column(column, justify="right")
-    lengths.add_column("TFLOP/s sustained", justify="right")
-    lengths.add_column("SM MHz sustained", justify="right")
+    lengths = table(
+        "Single GEMMs: started after an idle pause vs sustained (TFLOP/s)",
+        (
+            "GEMM (K -> N)",
+            "M",
+            "ms started",
+            "TFLOP/s started",
+            "ms sustained",
+            "TFLOP/s sustained",
+            "SM MHz sustained",
+        ),
+    )
     for point in data["length"]:
         lengths.add_row(
             f"{point['shape']} ({point['k']} -> {point['n']})",
@@ -110,10 +128,10 @@ def main() -> None:
             f"{point['clock_mhz']:.0f}" if point["clock_mhz"] else "-",
         )
     console.print(lengths)
-    tables = Table(title="Operator tables, TP1 GEMMs at 2048-4096 tokens: median TFLOP/s")
-    tables.add_column("tables")
-    tables.add_column("model")
-    tables.add_column("TFLOP/s", justify="right")
+    tables = table(
+        "Operator tables, TP1 GEMMs at 2048-4096 tokens: median TFLOP/s",
+        ("tables", "model", "TFLOP/s"),
+    )
     for name, root, gpu in (("Vidur H100", args.vidur, "h100"), ("H200 here", H200_TABLES, "h200")):
         for model, tflops in table_tflops(root, gpu).items():
             tables.add_row(name, model, f"{tflops:.0f}")
