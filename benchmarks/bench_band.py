@@ -8,7 +8,9 @@ replays ``DIR/cal-<scenario>/real-*``, and per validation scenario the replays a
 ``kvsim calibrate`` (the session's protocol: the validation replays stay out of the fit),
 draws kvsim's p10-p90 band again for every validation scenario (``--samples``, default 10,
 :mod:`sim.uncertainty`) and prints, per scenario, which headline metrics have the replays'
-median inside the band as the session reported it and as drawn now. Use it to judge a change
+median inside the band as the session reported it and as drawn now, and how wide the bands
+of the bounded figures (TTFT, ITL, E2E p50, throughput) are, session and now: a band that
+holds more medians only by growing wider says so. Use it to judge a change
 to the band (``step_residual_persistence``, the order steps draw their jitter in) on replays
 already measured. No vLLM needed: a fit and N simulations per scenario, a few minutes on
 two cores.
@@ -21,6 +23,7 @@ import json
 import sys
 from pathlib import Path
 
+import numpy as np
 import yaml
 from rich.console import Console
 from rich.table import Table
@@ -61,6 +64,19 @@ def inside(records: list[dict], metrics: tuple[str, ...] | None = None) -> tuple
     return sum(r["inside"] for r in judged), len(judged)
 
 
+def widths(records: list[dict], metrics: tuple[str, ...]) -> list[float]:
+    """The p10-p90 width of each of ``metrics``' bands, as a fraction of its median."""
+    return [
+        (r["high"] - r["low"]) / r["median"]
+        for r in records
+        if r["metric"] in metrics and r["median"] and r["low"] is not None
+    ]
+
+
+def width_text(values: list[float]) -> str:
+    return f"{100 * float(np.median(values)):.1f}%" if values else "-"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("session", type=Path)
@@ -90,9 +106,11 @@ def main() -> None:
             console.print(f"[yellow]the refit moved {', '.join(moved)} from the session's fit")
     table = Table(title=f"replays' median inside kvsim's p10-p90 band ({args.samples} samples)")
     for column in ("scenario", "all: session", "all: now", "p50s, thr.: session",
-                   "p50s, thr.: now", "outside now: replays' median vs band"):  # fmt: skip
+                   "p50s, thr.: now", "p50s, thr.: band width, session -> now",
+                   "outside now: replays' median vs band"):  # fmt: skip
         table.add_column(column)
     totals = [0] * 6
+    all_widths: tuple[list[float], list[float]] = ([], [])
     for directory in validation:
         report = json.loads((directory / "report.json").read_text())
         reference = {m["metric"]: m["reference"] for m in report["metrics"]}
@@ -100,7 +118,19 @@ def main() -> None:
         scenario = parse_scenario(yaml.safe_load(first.scenario_yaml), str(first.path))
         with console.status(f"{scenario.name}: {args.samples} samples"):
             rows = band_rows(None, run_samples(scenario, profile, args.samples)[1])
-        now = [{"metric": r.metric, "inside": r.contains(reference.get(r.metric))} for r in rows]
+        now = [
+            {
+                "metric": r.metric,
+                "inside": r.contains(reference.get(r.metric)),
+                "median": r.median,
+                "low": r.low,
+                "high": r.high,
+            }
+            for r in rows
+        ]
+        width = (widths(report["band"], BOUNDED), widths(now, BOUNDED))
+        all_widths[0].extend(width[0])
+        all_widths[1].extend(width[1])
         counts = (
             inside(report["band"]),
             inside(now),
@@ -116,11 +146,20 @@ def main() -> None:
             for r in rows
             if r.contains(reference.get(r.metric)) is False
         )
-        table.add_row(scenario.name, *(f"{k} of {n}" for k, n in counts), outside or "-")
+        table.add_row(
+            scenario.name,
+            *(f"{k} of {n}" for k, n in counts),
+            f"{width_text(width[0])} -> {width_text(width[1])}",
+            outside or "-",
+        )
     console.print(table)
     console.print(
         f"all scenarios: {totals[0]} -> {totals[1]} of {totals[4]} headline metrics inside; "
-        f"TTFT / ITL / E2E p50 and throughput: {totals[2]} -> {totals[3]} of {totals[5]}"
+        f"TTFT / ITL / E2E p50 and throughput: {totals[2]} -> {totals[3]} of {totals[5]}; "
+        f"their bands' p10-p90 width, median over them: {width_text(all_widths[0])} -> "
+        f"{width_text(all_widths[1])} of the band's median (widest "
+        f"{width_text([max(all_widths[0], default=0)])} -> "
+        f"{width_text([max(all_widths[1], default=0)])})"
     )
 
 

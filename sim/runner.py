@@ -44,6 +44,7 @@ MEASURED_SPREAD = frozenset(
         "shape_cells",
         "shape_cells_by_budget",
         "run_step_ratios",
+        "held_out_run_step_ratios",
         "step_residual_quantiles",
         "step_residual_persistence",
     }

@@ -5,10 +5,14 @@ One deterministic number hides how much a real run moves: on the shared 2-vCPU v
 machines one vLLM process ran the same batches at 0.8x to 1.5x the speed of the next, and a
 closed loop under pressure compounds a slower step into later preemptions and arrivals. A
 profile fitted by ``kvsim calibrate`` records, per measured run, the median of its steps'
-measured / fitted time (``CalibrationProfile.run_step_ratios``). ``kvsim run --samples N``
-simulates the scenario N times, sample ``i`` with every step time multiplied by the
-``(i + 0.5) / N`` quantile of those ratios (``CostModel``'s ``step_time_scale``; swap and
-offload copies keep their speed; a stratified draw: a stable band from a few samples), and
+measured / fitted time (``CalibrationProfile.run_step_ratios``) and, where it was fitted on
+runs of several scenarios, the same ratio against a fit without the run's own scenario
+(``held_out_run_step_ratios``): the process's speed times the fit's error on a scenario it
+has not seen, which a prediction for the user's own scenario carries too. ``kvsim run
+--samples N`` simulates the scenario N times, sample ``i`` with every step time multiplied
+by the ``(i + 0.5) / N`` quantile of the held-out ratios (the in-sample ones for a profile
+without them; ``CostModel``'s ``step_time_scale``; swap and offload copies keep their speed;
+a stratified draw: a stable band from a few samples), and
 with ``vary_seed`` also with workload seed ``seed + i``. Where the profile records the
 step-to-step spread within a process (``step_residual_quantiles``), each step of sample ``i``
 is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``), in the
@@ -68,7 +72,14 @@ def sample_factors(profile: CalibrationProfile | None, num_samples: int) -> list
             "spread to draw step speeds from (run_step_ratios is empty: it was not fitted by "
             "kvsim calibrate on measured runs, or before kvsim recorded them; refit it)"
         )
-    return speed_factors(profile.run_step_ratios, num_samples)
+    return speed_factors(run_ratios(profile), num_samples)
+
+
+def run_ratios(profile: CalibrationProfile) -> list[float]:
+    """The measured runs' speeds a band draws from: held out of the fit where the profile
+    records them (the process's speed and the fit's error on an unseen scenario), else in
+    sample (the process's speed only)."""
+    return profile.held_out_run_step_ratios or profile.run_step_ratios
 
 
 @dataclass(frozen=True)
@@ -141,9 +152,12 @@ def band_records(
     """JSON-ready band (``samples.json`` of a run directory): with the ``profile`` the samples
     were drawn from, whether they drew step-to-step jitter too and its persistence."""
     jitter = profile is not None and bool(profile.step_residual_quantiles)
+    held_out = profile is not None and bool(profile.held_out_run_step_ratios)
     return {
         "percentiles": list(BAND_PERCENTILES),
         "speed_factors": list(factors),
+        # Drawn from runs priced by fits without their scenario (see run_ratios).
+        "speeds_held_out": held_out,
         "step_jitter": jitter,
         "step_persistence": [
             list(c) for c in (profile.step_residual_persistence if jitter and profile else [])

@@ -261,14 +261,19 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
 
 
 def calibrate_measured(
-    measured: Sequence[MeasuredRun], run_dirs: Sequence[Path], command: str = "kvsim calibrate"
+    measured: Sequence[MeasuredRun],
+    run_dirs: Sequence[Path],
+    command: str = "kvsim calibrate",
+    others_fits: Mapping[str, BudgetFits] | None = None,
 ) -> CalibrationProfile:
-    """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``)."""
+    """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``;
+    ``others_fits``: :func:`held_out_fits` of ``measured`` when the caller has them)."""
     fits = fit_budgets(measured)
     params, fit = fits.params, fits.fit
     base, first = measured[0].scenario, measured[0].run
     # Each run against the parameters that price its budget: how fast its process ran.
     ratios = [step_ratios(m, fits.params_for(budget_of(m))) for m in measured]
+    run_ratios = [float(np.median(r)) for r in ratios]
     return CalibrationProfile(
         params=params,
         params_by_budget=fits.by_budget,
@@ -285,7 +290,8 @@ def calibrate_measured(
             budget: fitted_cells(s for m in measured if budget_of(m) == budget for s in m.shapes)
             for budget in fits.by_budget
         },
-        run_step_ratios=[float(np.median(r)) for r in ratios],
+        run_step_ratios=run_ratios,
+        held_out_run_step_ratios=held_out_run_ratios(measured, run_ratios, others_fits),
         step_residual_quantiles=residual_quantiles(ratios),
         step_residual_persistence=residual_persistence(ratios),
     )
@@ -340,6 +346,40 @@ def step_errors(
     )
 
 
+def held_out_fits(measured: Sequence[MeasuredRun]) -> dict[str, BudgetFits]:
+    """Per scenario name of ``measured``: :func:`fit_budgets` on the *other* scenarios'
+    runs (empty with runs of one scenario only)."""
+    names = sorted({m.scenario.name for m in measured})
+    if len(names) < 2:
+        return {}
+    return {n: fit_budgets([m for m in measured if m.scenario.name != n]) for n in names}
+
+
+def held_out_run_ratios(
+    measured: Sequence[MeasuredRun],
+    in_sample: Sequence[float],
+    others_fits: Mapping[str, BudgetFits] | None = None,
+) -> list[float]:
+    """Per run of ``measured``, the median of its steps' measured / predicted time under the
+    fit on the other scenarios' runs (``others_fits``, :func:`held_out_fits` if not given):
+    how fast that process ran *and* how far the fit is off on a scenario it was not fitted
+    on. A run whose scenario is alone at its token budget keeps its in-sample ratio
+    (``in_sample``): held out, the other budgets' fit would price it, which measures the
+    budget, not the fit (a scenario at a calibrated budget gets that budget's fit). Empty
+    with runs of one scenario only: nothing to hold out."""
+    if others_fits is None:
+        others_fits = held_out_fits(measured)
+    if not others_fits:
+        return []
+    ratios = []
+    for m, own in zip(measured, in_sample, strict=True):
+        name, budget = m.scenario.name, budget_of(m)
+        if any(budget_of(o) == budget and o.scenario.name != name for o in measured):
+            own = float(np.median(step_ratios(m, others_fits[name].params_for(budget))))
+        ratios.append(own)
+    return ratios
+
+
 def scenario_groups(measured: Sequence[MeasuredRun]) -> dict[str, list[MeasuredRun]]:
     """The runs by scenario name, for leaving one out; at least two scenarios, or an error."""
     groups: dict[str, list[MeasuredRun]] = {}
@@ -354,21 +394,25 @@ def scenario_groups(measured: Sequence[MeasuredRun]) -> dict[str, list[MeasuredR
 
 
 def leave_one_scenario_out(
-    measured: Sequence[MeasuredRun], params_for: Callable[[int], CostParams]
+    measured: Sequence[MeasuredRun],
+    params_for: Callable[[int], CostParams],
+    others_fits: Mapping[str, BudgetFits] | None = None,
 ) -> tuple[list[StepError], list[StepError]]:
     """Per scenario of ``measured`` (runs grouped by scenario name): the per-step error of
     ``params_for`` (the profile fitted on all runs, by token budget: in-sample), and of a
     profile fitted on the *other* scenarios' runs only (held out, by :func:`fit_budgets`
     too): how well the fit generalizes to shapes and traffic it has not seen. A scenario
     alone at its token budget is held out with the other budgets' fit, as a run at an
-    uncalibrated budget would be priced. Needs runs of at least two scenarios."""
+    uncalibrated budget would be priced. Needs runs of at least two scenarios.
+    ``others_fits``: :func:`held_out_fits` of ``measured`` when the caller has them."""
     groups = scenario_groups(measured)
+    if others_fits is None:
+        others_fits = held_out_fits(measured)
     all_cells = fitted_cells(s for m in measured for s in m.shapes)
     in_sample, held_out = [], []
     for name, runs in groups.items():
         others = [m for m in measured if m.scenario.name != name]
-        others_fits = fit_budgets(others)
         others_cells = fitted_cells(s for m in others for s in m.shapes)
         in_sample.append(step_errors(runs, params_for, all_cells, name))
-        held_out.append(step_errors(runs, others_fits.params_for, others_cells, name))
+        held_out.append(step_errors(runs, others_fits[name].params_for, others_cells, name))
     return in_sample, held_out

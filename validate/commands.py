@@ -307,6 +307,7 @@ def calibrate_cmd(
     from sim.results import check_out_free
     from validate.calibrate import (
         calibrate_measured,
+        held_out_fits,
         leave_one_scenario_out,
         load_measured,
         scenario_groups,
@@ -342,10 +343,11 @@ def calibrate_cmd(
             measured = load_measured(runs or [])
             if leave_one_out:
                 scenario_groups(measured)  # before the fit: two scenarios at least
-            profile = calibrate_measured(measured, runs or [])
+            with console.status("fitting on all runs, and once per held-out scenario ..."):
+                others_fits = held_out_fits(measured)
+                profile = calibrate_measured(measured, runs or [], others_fits=others_fits)
             if leave_one_out:
-                with console.status("fitting once per held-out scenario ..."):
-                    errors = leave_one_scenario_out(measured, profile.params_for)
+                errors = leave_one_scenario_out(measured, profile.params_for, others_fits)
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -394,15 +396,23 @@ def calibrate_cmd(
 
 
 def spread_line(profile: CalibrationProfile) -> str:
-    """What ``kvsim run --samples`` will draw from: the runs' speeds, the steps' spread within
-    a run and how long it persists."""
+    """What ``kvsim run --samples`` will draw from: the runs' speeds (in sample, and held
+    out of the fit where recorded: those are drawn), the steps' spread within a run and how
+    long it persists."""
     runs, steps = profile.run_step_ratios, profile.step_residual_quantiles
+    held_out = profile.held_out_run_step_ratios
     persistence = " + ".join(
         f"{share:.2f} x {phi:g}^j" for share, phi in profile.step_residual_persistence
     )
+    drawn = (
+        f"at {min(held_out):.2f}-{max(held_out):.2f} of a fit without their scenario (drawn), "
+        if held_out
+        else ""
+    )
+    low, high = steps[len(steps) // 10], steps[len(steps) * 9 // 10]
     return (
         f"  spread (kvsim run --samples draws it): runs at {min(runs):.2f}-{max(runs):.2f} of "
-        f"the fit; steps at {steps[len(steps) // 10]:.2f}-{steps[len(steps) * 9 // 10]:.2f} "
+        f"the fit, {drawn}steps at {low:.2f}-{high:.2f} "
         f"(p10-p90) of their run's median, two steps j apart correlated by "
         f"{persistence or '0'}"
     )

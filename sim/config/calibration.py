@@ -81,6 +81,15 @@ class CalibrationProfile(BaseModel):
         "fitted time, i.e. how fast that engine process ran (kvsim run --samples draws step "
         "speeds from them). Empty for profiles not fitted on measured runs.",
     )
+    held_out_run_step_ratios: list[float] = Field(
+        default_factory=list,
+        description="Per measured run, as run_step_ratios but against a fit on the other "
+        "calibration scenarios' runs (its own scenario left out; a scenario alone at its token "
+        "budget keeps its in-sample ratio): the process's speed and the fit's error on a "
+        "scenario it was not fitted on. kvsim run --samples draws step speeds from these "
+        "when present. Empty for runs of one scenario, or profiles written before kvsim "
+        "recorded them (then run_step_ratios is drawn from).",
+    )
     step_residual_quantiles: list[float] = Field(
         default_factory=list,
         description="Quantiles, at (i + 0.5) / 1,000, of every measured step's measured / "
@@ -102,7 +111,7 @@ class CalibrationProfile(BaseModel):
         "bf16 matmul FLOP/s.",
     )
 
-    @field_validator("run_step_ratios", "step_residual_quantiles")
+    @field_validator("run_step_ratios", "held_out_run_step_ratios", "step_residual_quantiles")
     @classmethod
     def _time_factors(cls, values: list[float]) -> list[float]:
         check_quantiles(values)  # finite and positive: they multiply step times

@@ -21,6 +21,7 @@ from sim.uncertainty import (
     SAMPLES,
     band_records,
     band_rows,
+    run_ratios,
     run_samples,
     sample_factors,
     speed_factors,
@@ -76,6 +77,20 @@ def test_samples_need_a_profile_fitted_on_measured_runs() -> None:
         sample_factors(None, 3)
     with pytest.raises(KvsimConfigError, match="no measured run spread"):
         sample_factors(profile_with(FITTED), 3)
+
+
+def test_samples_draw_the_runs_held_out_of_the_fit_where_the_profile_records_them() -> None:
+    """A held-out run ratio carries the fit's error on an unseen scenario as well as the
+    process's speed: the band draws those; a profile without them, the in-sample ones."""
+    held_out = [0.7, 0.95, 1.0, 1.2, 1.5]
+    both = PROFILE.model_copy(update={"held_out_run_step_ratios": held_out})
+    assert run_ratios(both) == held_out and run_ratios(PROFILE) == RATIOS
+    assert sample_factors(both, 5) == speed_factors(held_out, 5) != sample_factors(PROFILE, 5)
+    rows = band_rows(None, [])
+    assert band_records(rows, [1.0], [], both)["speeds_held_out"] is True
+    assert band_records(rows, [1.0], [], PROFILE)["speeds_held_out"] is False
+    with pytest.raises(ValueError, match="finite, positive"):
+        PROFILE.model_validate({**PROFILE.model_dump(), "held_out_run_step_ratios": [1.0, 0.0]})
 
 
 def test_samples_are_deterministic_and_ordered_by_speed() -> None:

@@ -26,11 +26,16 @@ TRUTH = CostParams(
 
 
 def fake_replay(
-    scenario: Scenario, out_dir: Path, source: str = "vllm", params: CostParams = TRUTH
+    scenario: Scenario,
+    out_dir: Path,
+    source: str = "vllm",
+    params: CostParams = TRUTH,
+    step_time_scale: float = 1.0,
 ) -> RunData:
-    """Simulate ``scenario`` priced by ``params`` and write it as a run measured on vLLM-CPU."""
+    """Simulate ``scenario`` priced by ``params`` (every step times ``step_time_scale``: a
+    process that ran slower than the model) and write it as a run measured on vLLM-CPU."""
     profile = profile_with(params, hardware="cpu", model="tiny-llama", vllm_version="0.32.0")
-    result = simulate(scenario, profile)
+    result = simulate(scenario, profile, step_time_scale=step_time_scale)
     summary = {**result.summary, "source": source, "device": "cpu", "vllm_version": "0.32.0"}
     write_run(out_dir, summary, result.requests, result.steps, result.scenario_yaml)
     return load_run(out_dir)

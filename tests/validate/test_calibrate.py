@@ -23,6 +23,8 @@ from tests.validate.fake_vllm import TRUTH, fake_replay
 from validate.calibrate import (
     budget_of,
     calibrate,
+    held_out_fits,
+    held_out_run_ratios,
     leave_one_scenario_out,
     load_measured,
     step_ratios,
@@ -37,13 +39,14 @@ def measured_looking_run(
     source: str = "vllm",
     budget: int | None = None,
     params: CostParams = TRUTH,
+    step_time_scale: float = 1.0,
 ) -> Path:
     scenario = load_scenario(SCENARIO_DIR / "calibration" / f"{name}.yaml")
     if budget is not None:
         engine = scenario.engine.model_copy(update={"max_num_batched_tokens": budget})
         scenario = scenario.model_copy(update={"engine": engine})
     out = tmp_path / (name if budget is None else f"{name}-{budget}")
-    return fake_replay(scenario, out, source, params).path
+    return fake_replay(scenario, out, source, params, step_time_scale).path
 
 
 # Prefill steps dearer at a large token budget, as vLLM-CPU's are at 2,048 against 512.
@@ -255,6 +258,40 @@ def test_leave_one_scenario_out_fits_without_the_held_out_runs(tmp_path: Path) -
     assert decode_sweep.coverage < 0.5 < 0.95 < in_sample[1].coverage
     with pytest.raises(KvsimConfigError, match="at least two scenarios"):
         leave_one_scenario_out(measured[:1], lambda _: TRUTH)
+
+
+def test_runs_held_out_of_the_fit_carry_its_error_on_an_unseen_scenario(tmp_path: Path) -> None:
+    """A scenario the others' fit prices 25% fast: in sample the fit over all three leans
+    towards it, held out its runs read the whole of it (what --samples draws)."""
+    slow = {"agentic-contexts": 1.25}
+    names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
+    runs = [measured_looking_run(tmp_path, n, step_time_scale=slow.get(n, 1.0)) for n in names]
+    profile = calibrate(runs)
+    in_sample, held_out = profile.run_step_ratios, profile.held_out_run_step_ratios
+    assert len(held_out) == len(in_sample) == 3
+    assert held_out[2] == pytest.approx(1.25, abs=0.03)  # the two exact scenarios' fit
+    assert in_sample[2] < held_out[2]
+    assert max(held_out) - min(held_out) > max(in_sample) - min(in_sample)
+    # The same from the fits the caller already has (kvsim calibrate --leave-one-out).
+    measured = load_measured(runs)
+    others = held_out_fits(measured)
+    assert sorted(others) == [f"cal-{n}" for n in sorted(names)]
+    assert held_out_run_ratios(measured, in_sample, others) == held_out
+    # Runs of one scenario: nothing to hold out.
+    assert calibrate(runs[:1]).held_out_run_step_ratios == []
+
+
+def test_a_scenario_alone_at_its_budget_keeps_its_in_sample_ratio(tmp_path: Path) -> None:
+    """Held out, the other budgets' fit would price it: that measures the budget (a user's
+    scenario at a calibrated budget gets that budget's fit), so it stays in sample."""
+    runs = [
+        measured_looking_run(tmp_path, "prefill-sweep"),
+        measured_looking_run(tmp_path, "decode-sweep"),
+        measured_looking_run(tmp_path, "agentic-contexts", budget=2048, params=AT_2048),
+    ]
+    profile = calibrate(runs)
+    assert profile.held_out_run_step_ratios[2] == profile.run_step_ratios[2]
+    assert profile.held_out_run_step_ratios[:2] != profile.run_step_ratios[:2]
 
 
 def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) -> None:

@@ -61,8 +61,11 @@ def test_the_report_says_whether_the_replays_median_lies_in_kvsims_band(tmp_path
         fake_replay(load_scenario(SCENARIO_DIR / "calibration" / f"{n}.yaml"), tmp_path / n).path
         for n in names
     ]
-    # Noise-free runs: every run's steps at 1.0 times the fit; widen the spread by hand.
-    profile = calibrate(runs).model_copy(update={"run_step_ratios": [0.8, 1.0, 1.25]})
+    # Noise-free runs: every run's steps at 1.0 times the fit, in sample and held out (one
+    # additive model prices them all); widen the spread the band draws from by hand.
+    fitted = calibrate(runs)
+    assert fitted.held_out_run_step_ratios == pytest.approx([1.0] * 3, abs=0.02)
+    profile = fitted.model_copy(update={"held_out_run_step_ratios": [0.8, 1.0, 1.25]})
     save_profile(profile, tmp_path / "profile.json")
     spec = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
     real = fake_replay(spec, tmp_path / "real")

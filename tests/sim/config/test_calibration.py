@@ -159,6 +159,7 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "shape_cells": [],
         "shape_cells_by_budget": {},
         "run_step_ratios": [],
+        "held_out_run_step_ratios": [],
         "step_residual_quantiles": [],
         "step_residual_persistence": [],
         "device_measurements": {},
