@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -73,8 +75,9 @@ def widths(records: list[dict], metrics: tuple[str, ...]) -> list[float]:
     ]
 
 
-def width_text(values: list[float]) -> str:
-    return f"{100 * float(np.median(values)):.1f}%" if values else "-"
+def width_text(values: list[float], pick: Callable[[list[float]], float] = np.median) -> str:
+    """``pick`` (the median, or e.g. max) of band widths, as a percentage."""
+    return f"{100 * float(pick(values)):.1f}%" if values else "-"
 
 
 def main() -> None:
@@ -118,16 +121,7 @@ def main() -> None:
         scenario = parse_scenario(yaml.safe_load(first.scenario_yaml), str(first.path))
         with console.status(f"{scenario.name}: {args.samples} samples"):
             rows = band_rows(None, run_samples(scenario, profile, args.samples)[1])
-        now = [
-            {
-                "metric": r.metric,
-                "inside": r.contains(reference.get(r.metric)),
-                "median": r.median,
-                "low": r.low,
-                "high": r.high,
-            }
-            for r in rows
-        ]
+        now = [{**asdict(r), "inside": r.contains(reference.get(r.metric))} for r in rows]
         width = (widths(report["band"], BOUNDED), widths(now, BOUNDED))
         all_widths[0].extend(width[0])
         all_widths[1].extend(width[1])
@@ -158,8 +152,7 @@ def main() -> None:
         f"TTFT / ITL / E2E p50 and throughput: {totals[2]} -> {totals[3]} of {totals[5]}; "
         f"their bands' p10-p90 width, median over them: {width_text(all_widths[0])} -> "
         f"{width_text(all_widths[1])} of the band's median (widest "
-        f"{width_text([max(all_widths[0], default=0)])} -> "
-        f"{width_text([max(all_widths[1], default=0)])})"
+        f"{width_text(all_widths[0], max)} -> {width_text(all_widths[1], max)})"
     )
 
 
