@@ -25,6 +25,13 @@ token) and every step that admits or preempts go through
 reference the fast path is tested against (``tests/sim/test_fast_path.py``): both give
 identical step and request tables.
 
+Lazy decodes (the fast path inside the scheduler, for the steps a stretch cannot take: an
+arrival, an admission, a prefill chunk or a finish somewhere in the batch): a running
+request that will only decode for its next steps, in a block it holds, registering no block
+and not finishing, is counted in each step's batch without being touched, and brought up to
+date when it must be scheduled one by one again (``Scheduler.enable_lazy_decodes``). The
+step-by-step path schedules every request one by one.
+
 A stretch is planned whole when it starts: its tokens and step rows are written then; its
 new blocks, cache registrations and finishes are applied when it has run
 (:meth:`Engine._end_stretch`). One engine bounds a stretch by the clock's next event. A
@@ -46,6 +53,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Generator
+from operator import attrgetter
 from typing import Any, NamedTuple, Protocol
 
 import simpy
@@ -59,6 +67,9 @@ from sim.workload.base import RequestMeta, SinkBase
 
 # A stretch shorter than this is run as ordinary steps (the bulk set-up would cost more).
 MIN_STRETCH_STEPS = 2
+
+_lazy_finish = attrgetter("lazy_finish")
+_num_computed_tokens = attrgetter("num_computed_tokens")
 
 
 class StepCost(Protocol):
@@ -147,6 +158,9 @@ class Engine(SinkBase):
         self._submitted = False
         self._stretch: _Stretch | None = None  # planned, its blocks not applied yet
         self._done: dict[str, simpy.Event] = {}
+        # Steady decodes advanced in bulk between the steps that must see them (the fast
+        # path inside the scheduler: see Scheduler.enable_lazy_decodes).
+        self.lazy = self.fast and scheduler.enable_lazy_decodes(recorder.add_token_times)
         self.process = env.process(self._run())
 
     def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
@@ -160,6 +174,13 @@ class Engine(SinkBase):
         self._done[request.request_id] = done
         self._wake()
         return done
+
+    def settle(self) -> None:
+        """Bring lazy decodes up to date with the last recorded step (the run has ended, or
+        stopped at its time limit with a step in flight): their tokens and token times are
+        then those of the step-by-step path."""
+        if self.lazy:
+            self.scheduler.materialize_all(len(self.recorder.step_ends))
 
     # -- the step loop ------------------------------------------------------------------------
     def _run(self) -> Generator[simpy.Event, Any, None]:
@@ -283,13 +304,27 @@ class Engine(SinkBase):
         # that is neither (a step that admitted, a prefill ending) is told apart in a few
         # microseconds, the queue head's admission below costs a prefix lookup.
         chunked: Request | None = running[-1]
-        last_len = len(chunked.token_ids)
-        if chunked.num_computed_tokens == last_len - 1 and last_len > chunked.num_prompt_tokens:
+        done_steps = scheduler.num_steps
+        num_lazy = scheduler.lazy_count
+        if chunked.lazy_step >= 0:
             chunked = None
+        else:
+            last_len = len(chunked.token_ids)
+            if chunked.num_computed_tokens == last_len - 1 and last_len > chunked.num_prompt_tokens:
+                chunked = None
         decoders = running if chunked is None else running[:-1]
         # Steps until each decode finishes (its f-th step from now samples its last token).
         k_cap = 1 << 62
-        for request in decoders:
+        checked: list[Request] = decoders
+        if num_lazy:
+            # Lazy decodes decode steadily by construction and know their last step; only
+            # the others are checked one by one.
+            eager = scheduler.eager_running
+            if eager is None:
+                return None
+            checked = [request for request in eager if request is not chunked]
+            k_cap = min(map(_lazy_finish, decoders)) - done_steps
+        for request in checked:
             num_tokens = len(request.token_ids)
             if (
                 request.num_computed_tokens != num_tokens - 1
@@ -356,9 +391,10 @@ class Engine(SinkBase):
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
         jitter = self.jitter
-        decode_context0 = 0
-        for request in decoders:
-            decode_context0 += request.num_computed_tokens
+        decode_context0 = sum(map(_num_computed_tokens, decoders))
+        if num_lazy:
+            # Lazy decodes' computed tokens are as of their lazy_step (every one is a decoder).
+            decode_context0 += num_lazy * done_steps - scheduler.lazy_step_sum
         shape = BatchShape(0, 0, 0.0, num_decode, decode_context0)
         prefill_context = chunked.num_computed_tokens if chunked is not None else 0
         now_s = env.now
@@ -397,6 +433,8 @@ class Engine(SinkBase):
             num_steps += 1
         if num_steps < MIN_STRETCH_STEPS:
             return None
+        # The stretch is planned from here on: every request up to date, one by one.
+        scheduler.materialize_all(done_steps)
 
         pool = kv.block_pool
         block_size = kv.block_size

@@ -99,6 +99,8 @@ class Recorder:
         self._record_columns = list(self.steps.values())
         self._swap_columns: list[array] = []
         self._offload_columns: list[array] = []
+        # Each recorded step's end time, by step number - 1 (a lazy decode's token times).
+        self.step_ends = array("d")
 
     def _add_columns(
         self, names: tuple[str, ...], float_names: tuple[str, ...] = ()
@@ -137,6 +139,11 @@ class Recorder:
         record.num_preemptions = request.num_preemptions
         record.request = None
 
+    def add_token_times(self, request: Request, after_step: int, last_step: int) -> None:
+        """A lazy decode (``Scheduler.enable_lazy_decodes``) sampled one token in each of
+        steps ``after_step + 1 .. last_step``, all recorded."""
+        self.requests[request.request_id].token_times_s.extend(self.step_ends[after_step:last_step])
+
     def add_record(self, record: StepRecord) -> None:
         """Append one row to the step table (its fields are STEP_COLUMNS, in order)."""
         for column, value in zip(self._record_columns, record, strict=True):
@@ -160,12 +167,15 @@ class Recorder:
             records[request.request_id].token_times_s.append(end_s)
         for request in update.finished:
             self.on_finished(request, end_s)
+        self.step_ends.append(end_s)
         tables = scheduler.kv_cache_manager.req_to_blocks
         running = scheduler.running
+        # A lazy decode's num_computed_tokens is as of its lazy_step: one more per step since.
+        lazy_computed = scheduler.lazy_count * output.step - scheduler.lazy_step_sum
         unused = kv_unused_slots(
             sum(map(len, map(tables.__getitem__, map(_request_id, running)))),
             self.block_size,
-            sum(map(_num_computed_tokens, running)),
+            sum(map(_num_computed_tokens, running)) + lazy_computed,
         )
         self.add_record(step_record(output.step, output, start_s, end_s, unused))
         if self._swap_columns:
@@ -210,6 +220,7 @@ class Recorder:
         records = self.requests
         for request in decoders:
             records[request.request_id].token_times_s.extend(ends)
+        self.step_ends.extend(ends)
         zeros = array("q", bytes(8 * num_steps))
         steps["step"].extend(range(first_step, first_step + num_steps))
         steps["start_s"].extend(starts)
@@ -247,6 +258,7 @@ class Recorder:
         replica: a request was submitted to it before they started)."""
         for column in self.steps.values():
             _drop_last(column, num_steps)
+        _drop_last(self.step_ends, num_steps)
         records = self.requests
         for request in decoders:
             _drop_last(records[request.request_id].token_times_s, num_steps)

@@ -19,6 +19,9 @@ if TYPE_CHECKING:
 # processes on Python 3.11, and kvsim results must be.
 ROOT_BLOCK_HASH = 0
 
+# ``Request.lazy_finish`` of a request that is not a lazy decode (no step is that late).
+NOT_LAZY = 1 << 62
+
 
 def hash_block(parent_hash: int, block_token_ids: Sequence[int]) -> int:
     """Hash one full block, chained to its parent, as vLLM's ``hash_block_tokens`` does.
@@ -53,6 +56,9 @@ class Request:
         "arrival_time_s",
         "block_hashes",
         "block_size",
+        "lazy_finish",
+        "lazy_step",
+        "lazy_until",
         "max_tokens",
         "num_computed_tokens",
         "num_preemptions",
@@ -97,6 +103,13 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
         self.num_preemptions = 0
+        # A lazy decode (the scheduler's fast path, see Scheduler.enable_lazy_decodes): the
+        # step its token ids, computed tokens and token times were last brought up to date
+        # (-1: they are current), the step at which it must be scheduled one by one again
+        # (0 when not lazy), and the step whose sampled token would finish it.
+        self.lazy_step = -1
+        self.lazy_until = 0
+        self.lazy_finish = NOT_LAZY
         # Which session sent it and whether it comes back (only KV retention reads it).
         self.session_hint = session_hint
         self.block_hashes: list[int] = []

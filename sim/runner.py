@@ -215,6 +215,8 @@ def simulate(
                     len(r.recorder.requests) - r.scheduler.num_unfinished_requests for r in replicas
                 )
                 progress(env.now, num_finished, expected)
+    for replica in replicas:
+        replica.engine.settle()
 
     if dispatcher is None:
         recorder = replicas[0].recorder

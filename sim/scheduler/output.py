@@ -56,14 +56,17 @@ class SchedulerOutput:
     swap: SwapStep | None = None
     # CPU offload tier only (engine.kv_offload_gib): this step's stores and loads.
     offload: OffloadStep | None = None
+    # Lazy decodes (the fast path: Scheduler.enable_lazy_decodes): running requests that
+    # decode one token this step and are not listed in ``num_scheduled_tokens``.
+    num_lazy_decodes: int = 0
 
     @property
     def total_num_scheduled_tokens(self) -> int:
-        return sum(self.num_scheduled_tokens.values())
+        return sum(self.num_scheduled_tokens.values()) + self.num_lazy_decodes
 
     @property
     def is_empty(self) -> bool:
-        return not self.num_scheduled_tokens
+        return not self.num_scheduled_tokens and not self.num_lazy_decodes
 
 
 @dataclass(slots=True)

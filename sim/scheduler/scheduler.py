@@ -29,18 +29,27 @@ choice, so interactive turns do not wait for swapped background agents).
 :meth:`Scheduler.update_from_output` then plays the model's part: a request whose computed
 tokens reached its length samples its next (planned) token; a request at ``max_tokens`` or
 ``max_model_len`` finishes and frees its blocks. No clock anywhere: the engine owns time.
+
+Lazy decodes (:meth:`Scheduler.enable_lazy_decodes`, the engine's fast path) change how a
+steady decode is kept, not what is decided: it takes its token of budget and its place in
+the batch each step without its request being touched until it must be scheduled one by one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from sim.config.engine import EngineConfig
 from sim.kv.allocators import make_kv_manager
 from sim.kv.kv_cache_manager import KVCacheManager
 from sim.kv.offload import Offloader, num_offload_blocks
 from sim.kv.swap import Swapper, num_cpu_blocks
-from sim.request import Request, RequestStatus
+from sim.request import NOT_LAZY, Request, RequestStatus
 from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate
 from sim.scheduler.policy import make_policy
+
+# A steady decode goes lazy only if it stays so for at least this many steps.
+MIN_LAZY_STEPS = 2
 
 
 def running_chunk(
@@ -101,6 +110,17 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.num_preemptions = 0
+        # Lazy decodes (off unless enable_lazy_decodes): how many running requests are lazy,
+        # the sums of their lazy_step and of their (stale) num_computed_tokens, and the
+        # running requests that are not lazy after the last update_from_output (None: not
+        # known, e.g. a running pass that stopped early).
+        self.lazy = False
+        self.lazy_count = 0
+        self.lazy_step_sum = 0
+        self.lazy_computed_sum = 0
+        self.eager_running: list[Request] | None = None
+        self._complete_pass = False
+        self._on_lazy_tokens: Callable[[Request, int, int], None] | None = None
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -142,6 +162,96 @@ class Scheduler:
         self.waiting.prepend(request)
         self.num_preemptions += 1
 
+    # -- lazy decodes ------------------------------------------------------------------------
+    def enable_lazy_decodes(self, on_tokens: Callable[[Request, int, int], None]) -> bool:
+        """Advance steady decodes in bulk instead of one request at a time (the engine's fast
+        path; the decisions and every output stay those of the step-by-step path).
+
+        A running request that has just sampled a token and will, for the next steps, only
+        decode one token in a block it holds, register no block and not finish is *lazy*:
+        each step counts it in the batch (one token of budget, one decode of its context)
+        without touching it, and its token ids, computed tokens and token times are brought
+        up to date (:meth:`materialize`) when it must be scheduled one by one again (the
+        step it needs a block, registers a block or finishes: ``lazy_until``), when it is
+        preempted, when a running pass stops before it, or when the engine plans a stretch
+        or ends the run. ``on_tokens(request, after_step, last_step)`` then records the
+        token times of steps ``after_step + 1 .. last_step``.
+
+        Only the plain KV cache manager, without swap or the offload tier: returns whether
+        lazy decodes are on."""
+        kv = self.kv_cache_manager
+        plain = type(kv) is KVCacheManager and "allocate_slots" not in vars(kv)
+        if not plain or self.swapper is not None or self.offloader is not None:
+            return False
+        self.lazy = True
+        self._on_lazy_tokens = on_tokens
+        return True
+
+    def materialize(self, request: Request, last_step: int) -> None:
+        """Bring a lazy request up to date as of the end of ``last_step`` (its tokens
+        sampled through that step); it is scheduled one by one from then on."""
+        after_step = request.lazy_step
+        self.lazy_count -= 1
+        self.lazy_step_sum -= after_step
+        self.lazy_computed_sum -= request.num_computed_tokens
+        request.lazy_step = -1
+        request.lazy_until = 0
+        request.lazy_finish = NOT_LAZY
+        num_steps = last_step - after_step
+        if num_steps > 0:
+            request.append_output_token_ids(num_steps)
+            request.num_computed_tokens += num_steps
+            assert self._on_lazy_tokens is not None
+            self._on_lazy_tokens(request, after_step, last_step)
+
+    def materialize_all(self, last_step: int) -> None:
+        """Bring every lazy running request up to date as of the end of ``last_step``."""
+        if self.lazy_count:
+            for request in self.running:
+                if request.lazy_step >= 0:
+                    self.materialize(request, last_step)
+        self.eager_running = None
+
+    def _lazify(self, request: Request, step: int) -> bool:
+        """Make a running request, up to date as of the end of ``step`` with one token to
+        compute (it sampled it), lazy from the next step on if it decodes steadily for at
+        least ``MIN_LAZY_STEPS`` steps (see :meth:`enable_lazy_decodes`).
+
+        Step ``t`` after ``step`` schedules it with ``c = computed + t - step - 1`` tokens
+        of context; the one-by-one path decodes it there without calling allocate_slots and
+        without finishing it while ``c`` stays below the smallest of: ``max_model_len - 2``
+        (its slot check, and a finish at ``max_model_len``), its held slots (a new block),
+        the last slot of its first block not yet registered (a registration), and
+        ``max_tokens + prompt - 2`` (a finish at ``max_tokens``)."""
+        computed = request.num_computed_tokens
+        request_id = request.request_id
+        kv = self.kv_cache_manager
+        block_size = kv.block_size
+        limit = self.max_model_len - 2
+        held = len(kv.req_to_blocks[request_id]) * block_size
+        if held < limit:
+            limit = held
+        finish = request.max_tokens + request.num_prompt_tokens
+        if finish - 2 < limit:
+            limit = finish - 2
+        if kv.enable_caching:
+            unregistered = (kv.num_cached_block[request_id] + 1) * block_size - 1
+            if unregistered < limit:
+                limit = unregistered
+        num_lazy = limit - computed
+        if num_lazy < MIN_LAZY_STEPS:
+            return False
+        request.lazy_step = step
+        request.lazy_until = step + 1 + num_lazy
+        if self.max_model_len < finish:
+            finish = self.max_model_len
+        # The step whose sampled token ends it (as the engine's stretches count it).
+        request.lazy_finish = step + finish - computed - 1
+        self.lazy_count += 1
+        self.lazy_step_sum += step
+        self.lazy_computed_sum += computed
+        return True
+
     def schedule(self) -> SchedulerOutput:
         """Plan one engine step (see the module docstring)."""
         kv = self.kv_cache_manager
@@ -171,9 +281,18 @@ class Scheduler:
         tables = kv.req_to_blocks if plain else {}
         num_cached = kv.num_cached_block if plain and kv.enable_caching else None
         block_size = kv.block_size
+        step = self.num_steps + 1
+        lazy = self.lazy
+        complete = True  # every running request was scheduled (or is a lazy decode)
         req_index = 0
         while req_index < len(running) and token_budget > 0:
             request = running[req_index]
+            if step < request.lazy_until:
+                token_budget -= 1  # a lazy decode
+                req_index += 1
+                continue
+            if lazy and request.lazy_step >= 0:
+                self.materialize(request, step - 1)  # its lazy decodes end here
             computed = request.num_computed_tokens
             num_new = len(request.token_ids) - computed
             if num_new == 1 and computed + 2 <= max_model_len and plain:
@@ -181,6 +300,14 @@ class Scheduler:
                 if computed < len(tables[request_id]) * block_size and (
                     num_cached is None or (computed + 1) // block_size <= num_cached[request_id]
                 ):
+                    if (
+                        lazy
+                        and computed >= request.num_prompt_tokens  # a decode (see step 3)
+                        and self._lazify(request, step - 1)
+                    ):
+                        token_budget -= 1  # a lazy decode from this step on
+                        req_index += 1
+                        continue
                     num_scheduled[request_id] = 1
                     token_budget -= 1
                     req_index += 1
@@ -189,6 +316,7 @@ class Scheduler:
                 len(request.token_ids), computed, threshold, token_budget, max_model_len
             )
             if num_new <= 0:
+                complete = False
                 req_index += 1
                 continue
             while True:
@@ -197,6 +325,10 @@ class Scheduler:
                     break
                 victim_index = self.policy.victim_index(running)
                 victim = running.pop(victim_index)
+                if victim.lazy_step >= 0:
+                    self.materialize(victim, step - 1)
+                    if victim_index < req_index:
+                        token_budget += 1  # its lazy decode this step is taken back
                 if victim_index < req_index:
                     req_index -= 1
                 restored = num_scheduled.pop(victim.request_id, None)
@@ -211,6 +343,13 @@ class Scheduler:
             num_scheduled[request.request_id] = num_new
             token_budget -= num_new
             req_index += 1
+        if req_index < len(running):
+            # The pass stopped early: the lazy decodes after it compute nothing this step.
+            complete = False
+            if self.lazy_count:
+                for request in running[req_index:]:
+                    if request.lazy_step >= 0:
+                        self.materialize(request, step - 1)
 
         # 1b. SWAPPED requests (swap preemption only), unless this step had to preempt.
         if num_swapped and not preempted:
@@ -272,6 +411,14 @@ class Scheduler:
                 num_prefill_tokens += n
                 prefill_pairs += n * (context + n / 2)
             request.num_computed_tokens = context + n
+        num_lazy = self.lazy_count
+        if num_lazy:
+            # Each lazy decode's context before this step: its computed tokens at its
+            # lazy_step plus one per step since.
+            num_decode += num_lazy
+            decode_context += self.lazy_computed_sum + num_lazy * (step - 1) - self.lazy_step_sum
+        if lazy:
+            self._complete_pass = complete
         shape = BatchShape(
             num_prefill_tokens, num_prefill_reqs, prefill_pairs, num_decode, decode_context
         )
@@ -294,6 +441,7 @@ class Scheduler:
             num_waiting=len(self.waiting),
             swap=None if swapper is None else swapper.take_step(len(self.swapped)),
             offload=None if offloader is None else offloader.take_step(len(self.loading)),
+            num_lazy_decodes=num_lazy,
         )
 
     def discard_empty_step(self, output: SchedulerOutput) -> None:
@@ -493,13 +641,18 @@ class Scheduler:
         finished: list[Request] = []
         requests = self.requests
         max_model_len = self.max_model_len
+        lazy = self.lazy
+        eager: list[Request] = []  # lazy decodes on: the running requests not lazy now
         for request_id in output.num_scheduled_tokens:
             request = requests.get(request_id)
             if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # preempted later in the same step (priority policy)
             num_tokens = len(request.token_ids)
             if request.num_computed_tokens < num_tokens:
-                continue  # a prefill chunk that did not reach the end samples nothing
+                # A prefill chunk that did not reach the end samples nothing.
+                if lazy:
+                    eager.append(request)
+                continue
             request.sample_output_token()
             sampled.append(request)
             num_tokens += 1
@@ -512,7 +665,11 @@ class Scheduler:
                     self.offloader.on_finished(request)
                 del requests[request_id]
                 finished.append(request)
+            elif lazy:
+                eager.append(request)
         if finished:
             done = {id(r) for r in finished}
             self.running = [r for r in self.running if id(r) not in done]
+        if lazy:
+            self.eager_running = eager if self._complete_pass else None
         return StepUpdate(sampled, finished)

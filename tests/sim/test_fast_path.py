@@ -24,6 +24,7 @@ from sim.kv.kv_cache_manager import KVCacheManager
 from sim.recorder import Recorder
 from sim.runner import SimulationResult, simulate
 from sim.scenario import parse_scenario
+from sim.scheduler.scheduler import Scheduler
 
 
 def length(draw: st.DrawFn, low: int, high: int) -> dict[str, Any]:
@@ -147,8 +148,19 @@ def pool_state(scheduler: Any) -> tuple[Any, ...]:
         (pool.block_hash * pool.hashed).tobytes(),
         sorted((r, tuple(ids)) for r, ids in kv.req_to_blocks.items()),
         sorted(kv.num_cached_block.items()),
-        [(r.request_id, r.num_computed_tokens, len(r.token_ids)) for r in scheduler.running],
+        [progress(r, scheduler.num_steps) for r in scheduler.running],
     )
+
+
+def progress(request: Any, last_step: int) -> tuple[str, int, int]:
+    """A running request's id, computed tokens and token count after ``last_step`` (a lazy
+    decode's are as of its lazy_step, one more of each per step since)."""
+    computed = request.num_computed_tokens
+    num_tokens = len(request.token_ids)
+    if request.lazy_step >= 0:
+        computed += last_step - request.lazy_step
+        num_tokens = computed + 1
+    return request.request_id, computed, num_tokens
 
 
 def states_after_steps(
@@ -175,11 +187,14 @@ def states_after_steps(
     return states
 
 
-def assert_same_kv_states(scenario: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """After each stretch the KV cache is as the step-by-step path leaves it."""
+def assert_same_kv_states(
+    scenario: Any, monkeypatch: pytest.MonkeyPatch, stretches: bool = True
+) -> None:
+    """After each step and stretch the KV cache is as the step-by-step path leaves it."""
     fast = states_after_steps(scenario, monkeypatch, exact=False)
     reference = states_after_steps(scenario, monkeypatch, exact=True)
-    assert len(fast) < len(reference)  # some stretches were taken
+    if stretches:
+        assert len(fast) < len(reference)  # some stretches were taken
     for step, state in fast.items():
         assert state == reference[step], f"KV cache differs after step {step}"
 
@@ -193,6 +208,21 @@ def assert_same_kv_states(scenario: Any, monkeypatch: pytest.MonkeyPatch) -> Non
 def test_fast_path_gives_the_step_by_step_results(raw: dict[str, Any]) -> None:
     scenario = parse_scenario(raw, "fast-path")
     assert_identical(simulate(scenario), simulate(scenario, exact_reference=True))
+
+
+@settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+@given(scenarios())
+def test_lazy_decodes_alone_give_the_step_by_step_results(raw: dict[str, Any]) -> None:
+    # No stretch: every step goes through the scheduler, with its lazy decodes.
+    scenario = parse_scenario(raw, "lazy-decodes")
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.setattr(sim.engine.Engine, "_plan_stretch", lambda self, since: None)
+        lazy = simulate(scenario)
+    assert_identical(lazy, simulate(scenario, exact_reference=True))
 
 
 @st.composite
@@ -443,6 +473,52 @@ def test_prefill_stretch_pops_and_registrations_are_replayed_when_they_meet(
     assert engines[0].num_stretch_replays[True] > 0
     assert_identical(fast, simulate(scenario, exact_reference=True))
     assert_same_kv_states(scenario, monkeypatch)
+
+
+def lazy_decode_counter(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """[lazy decodes, decodes] over the steps the schedulers of the test ran."""
+    counts = [0, 0]
+    schedule = Scheduler.schedule
+
+    def counting(self: Scheduler) -> Any:
+        output = schedule(self)
+        counts[0] += output.num_lazy_decodes
+        counts[1] += output.shape.num_decode_reqs
+        return output
+
+    monkeypatch.setattr(Scheduler, "schedule", counting)
+    return counts
+
+
+def test_steady_decodes_between_arrivals_go_lazy(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Arrivals every few steps leave no room for stretches: the decodes beside each
+    # admission are advanced lazily, and nothing changes.
+    raw = {
+        "name": "lazy",
+        "seed": 2,
+        "model": "Llama-3.1-8B",
+        "hardware": "H100-SXM-80GB",
+        "engine": {"max_model_len": 4096, "enable_prefix_caching": True},
+        "workload": {
+            "kind": "open_loop",
+            "num_requests": 300,
+            "arrival": {"kind": "poisson", "rate_per_s": 40.0},
+            "prompt_tokens": {"kind": "uniform", "low": 50, "high": 800},
+            "output_tokens": {"kind": "uniform", "low": 50, "high": 400},
+            "shared_prefix_tokens": 40,
+        },
+    }
+    scenario = parse_scenario(raw, "lazy")
+    with monkeypatch.context() as patch:
+        counts = lazy_decode_counter(patch)
+        fast = simulate(scenario)
+    assert counts[0] > counts[1] / 2
+    with monkeypatch.context() as patch:
+        counts = lazy_decode_counter(patch)
+        reference = simulate(scenario, exact_reference=True)
+    assert counts[0] == 0  # the reference path schedules every request one by one
+    assert_identical(fast, reference)
+    assert_same_kv_states(scenario, monkeypatch, stretches=False)
 
 
 def test_the_reference_path_takes_no_stretch(stretch_counter: list[int]) -> None:
