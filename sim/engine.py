@@ -323,7 +323,6 @@ class Engine(SinkBase):
             if eager is None:
                 return None
             checked = [request for request in eager if request is not chunked]
-            k_cap = min(map(_lazy_finish, decoders)) - done_steps
         for request in checked:
             num_tokens = len(request.token_ids)
             if (
@@ -336,6 +335,8 @@ class Engine(SinkBase):
                 left = max_model_len - num_tokens
             if left < k_cap:
                 k_cap = left
+        if num_lazy:
+            k_cap = min(k_cap, min(map(_lazy_finish, decoders)) - done_steps)
         num_decode = len(decoders)
         # The prefill's chunks, as Scheduler.schedule sizes them with the decodes ahead of it
         # in the budget, for as long as a chunk leaves part of the prompt to compute: the
@@ -391,10 +392,17 @@ class Engine(SinkBase):
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
         jitter = self.jitter
-        decode_context0 = sum(map(_num_computed_tokens, decoders))
         if num_lazy:
-            # Lazy decodes' computed tokens are as of their lazy_step (every one is a decoder).
-            decode_context0 += num_lazy * done_steps - scheduler.lazy_step_sum
+            # The decoders are the checked ones and the lazy ones, whose computed tokens are
+            # as of their lazy_step (kept as sums).
+            decode_context0 = (
+                sum(map(_num_computed_tokens, checked))
+                + scheduler.lazy_computed_sum
+                + num_lazy * done_steps
+                - scheduler.lazy_step_sum
+            )
+        else:
+            decode_context0 = sum(map(_num_computed_tokens, decoders))
         shape = BatchShape(0, 0, 0.0, num_decode, decode_context0)
         prefill_context = chunked.num_computed_tokens if chunked is not None else 0
         now_s = env.now

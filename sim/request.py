@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import enum
 import zlib
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING, cast, overload
 
 if TYPE_CHECKING:
     from sim.workload.base import SessionHint
@@ -41,6 +41,45 @@ class RequestStatus(enum.Enum):
     # CPU offload tier only: blocks given, waiting for their load from host memory.
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_LENGTH_CAPPED = "finished_length_capped"
+
+
+class ListPrefix(Sequence[int]):
+    """A read-only view of the first ``len(items)`` items of a list that goes on growing:
+    what a finished request keeps of a session context it adopted (:meth:`Request.release`)."""
+
+    __slots__ = ("_items", "_length")
+
+    def __init__(self, items: list[int]) -> None:
+        self._items = items
+        self._length = len(items)
+
+    def __len__(self) -> int:
+        return self._length
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[int]: ...
+
+    def __getitem__(self, index: int | slice) -> int | list[int]:
+        if isinstance(index, slice):
+            return self._items[: self._length][index]
+        position = index + self._length if index < 0 else index
+        if not 0 <= position < self._length:
+            raise IndexError(f"index {index} out of range for {self._length} items")
+        return self._items[position]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._items[: self._length])
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ListPrefix):
+            other = list(other)
+        return isinstance(other, list) and self._items[: self._length] == other
+
+    def __repr__(self) -> str:
+        return f"ListPrefix({self._items[: self._length]!r})"
 
 
 class Request:
@@ -82,9 +121,19 @@ class Request:
         output_token_ids: Sequence[int] | None = None,
         prompt_block_hashes: Sequence[int] | None = None,
         session_hint: SessionHint | None = None,
+        adopt_prompt: bool = False,
     ) -> None:
+        """``adopt_prompt``: take ``prompt_token_ids`` and ``prompt_block_hashes`` (lists) as
+        this request's own ``token_ids`` and ``block_hashes`` instead of copying them; the
+        request extends them with its output tokens and their block hashes (an agent session
+        hands over its context, which the turn's output then ends up in), and
+        :meth:`release` gives them back."""
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: prompt_token_ids is empty")
+        if adopt_prompt and not (
+            type(prompt_token_ids) is list and type(prompt_block_hashes) is list
+        ):
+            raise TypeError(f"request {request_id}: adopt_prompt takes two lists")
         if max_tokens < 1:
             raise ValueError(f"request {request_id}: max_tokens={max_tokens} must be >= 1")
         if output_token_ids is not None and len(output_token_ids) < max_tokens:
@@ -93,7 +142,9 @@ class Request:
                 f"max_tokens={max_tokens}"
             )
         self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)
+        self.token_ids: list[int] = (
+            cast(list[int], prompt_token_ids) if adopt_prompt else list(prompt_token_ids)
+        )
         self.num_prompt_tokens = len(self.token_ids)
         self.max_tokens = max_tokens
         self.block_size = block_size
@@ -117,7 +168,9 @@ class Request:
             # The workload already hashed this prefix (a session's context is append-only).
             num_full = self.num_prompt_tokens // block_size
             assert len(prompt_block_hashes) == num_full, "prompt_block_hashes length mismatch"
-            self.block_hashes = list(prompt_block_hashes)
+            self.block_hashes = (
+                cast(list[int], prompt_block_hashes) if adopt_prompt else list(prompt_block_hashes)
+            )
         else:
             self._hash_new_full_blocks()
 
@@ -203,6 +256,13 @@ class Request:
         """RUNNING -> FINISHED_LENGTH_CAPPED (outputs are pinned to max_tokens)."""
         assert self.status is RequestStatus.RUNNING, self.status
         self.status = RequestStatus.FINISHED_LENGTH_CAPPED
+
+    def release(self) -> None:
+        """Give back the lists adopted with ``adopt_prompt`` once the request has finished
+        (their owner goes on appending to them): ``token_ids`` and ``block_hashes`` become
+        read-only views (:class:`ListPrefix`) of what they hold now."""
+        self.token_ids = ListPrefix(self.token_ids)  # type: ignore[assignment]
+        self.block_hashes = ListPrefix(self.block_hashes)  # type: ignore[assignment]
 
     def sort_key(self) -> tuple[int, float, str]:
         """Priority order (lower first), as ``vllm.v1.request.Request.__lt__``."""

@@ -43,6 +43,7 @@ class LazyDecodes:
         self.lazy_count = 0
         self.lazy_step_sum = 0
         self.lazy_computed_sum = 0
+        self.lazy_held_blocks = 0  # blocks they hold (a lazy request gets none while lazy)
         self.eager_running: list[Request] | None = None
         self._complete_pass = False
         self._on_lazy_tokens: Callable[[Request, int, int], None] | None = None
@@ -78,6 +79,7 @@ class LazyDecodes:
         self.lazy_count -= 1
         self.lazy_step_sum -= after_step
         self.lazy_computed_sum -= request.num_computed_tokens
+        self.lazy_held_blocks -= len(self.kv_cache_manager.req_to_blocks[request.request_id])
         request.lazy_step = -1
         request.lazy_until = 0
         request.lazy_finish = NOT_LAZY
@@ -112,7 +114,8 @@ class LazyDecodes:
         kv = self.kv_cache_manager
         block_size = kv.block_size
         limit = self.max_model_len - 2
-        held = len(kv.req_to_blocks[request_id]) * block_size
+        num_blocks = len(kv.req_to_blocks[request_id])
+        held = num_blocks * block_size
         if held < limit:
             limit = held
         finish = request.max_tokens + request.num_prompt_tokens
@@ -134,4 +137,5 @@ class LazyDecodes:
         self.lazy_count += 1
         self.lazy_step_sum += step
         self.lazy_computed_sum += computed
+        self.lazy_held_blocks += num_blocks
         return True

@@ -181,7 +181,8 @@ class Scheduler(LazyDecodes):
         lazy = self.lazy
         complete = True  # every running request was scheduled (or is a lazy decode)
         req_index = 0
-        while req_index < len(running) and token_budget > 0:
+        num_running = len(running)  # kept up to date as victims leave
+        while req_index < num_running and token_budget > 0:
             request = running[req_index]
             if step < request.lazy_until:
                 token_budget -= 1  # a lazy decode
@@ -221,6 +222,7 @@ class Scheduler(LazyDecodes):
                     break
                 victim_index = self.policy.victim_index(running)
                 victim = running.pop(victim_index)
+                num_running -= 1
                 if victim.lazy_step >= 0:
                     self.materialize(victim, step - 1)
                     if victim_index < req_index:
@@ -564,8 +566,13 @@ class Scheduler(LazyDecodes):
             elif lazy:
                 eager.append(request)
         if finished:
-            done = {id(r) for r in finished}
-            self.running = [r for r in self.running if id(r) not in done]
+            running = self.running
+            if len(finished) <= 8:
+                for request in finished:
+                    running.remove(request)  # by identity (a Request has no __eq__), in C
+            else:
+                done = {id(r) for r in finished}
+                self.running = [r for r in running if id(r) not in done]
         if lazy:
             self.eager_running = eager if self._complete_pass else None
         return StepUpdate(sampled, finished)

@@ -185,7 +185,7 @@ class AgentSessionsWorkload(KvsimModel):
         context = prefix.copy()
         for turn in range(num_turns):
             piece_dist = self.user_message_tokens if turn == 0 else self.tool_result_tokens
-            piece = tokens.take(_one(piece_dist.sample(rng, 1)))
+            piece = tokens.take(piece_dist.sample_one(rng))
             fanout = self.fanout
             is_fanout = fanout is not None and rng.random() < fanout.probability
             if is_fanout:
@@ -193,7 +193,7 @@ class AgentSessionsWorkload(KvsimModel):
                 outputs = [tokens.take(n) for n in fanout.output_tokens.sample(rng, fanout.width)]
             else:
                 tasks = [[]]
-                outputs = [tokens.take(_one(self.output_tokens.sample(rng, 1)))]
+                outputs = [tokens.take(self.output_tokens.sample_one(rng))]
             longest = max(len(task) + len(out) for task, out in zip(tasks, outputs, strict=True))
             if len(context) + len(piece) + longest > cap:
                 return  # the context no longer fits: the session ends, as an agent's would
@@ -207,6 +207,9 @@ class AgentSessionsWorkload(KvsimModel):
                 request = Request(
                     request_id,
                     context.token_ids + task if task else context.token_ids,
+                    # A plain turn hands its context over: the request's output tokens go
+                    # straight into it (no copy of the prompt per turn).
+                    adopt_prompt=not is_fanout,
                     max_tokens=len(out),
                     block_size=sink.block_size,
                     arrival_time_s=env.now,
@@ -233,16 +236,18 @@ class AgentSessionsWorkload(KvsimModel):
                 done.append(sink.submit(request, meta))
             yield env.all_of(done)
             # The context grows by what the engine really emitted: the planned tokens in the
-            # simulator, the model's own tokens when replayed on real vLLM. Sub-call outputs
-            # come back in call order, like the results of a parallel call.
-            for event in done:
-                context.append(event.value.output_token_ids)
-            # Nothing of the finished turn is kept through the tool call: its requests hold
-            # a copy of the whole context.
-            del done, event, request, tasks, outputs
+            # simulator, the model's own tokens when replayed on real vLLM. A plain turn's
+            # request wrote them into the context itself; sub-call outputs come back in call
+            # order, like the results of a parallel call.
+            if is_fanout:
+                for event in done:
+                    context.append(event.value.output_token_ids)
+                del event
+            else:
+                request.release()  # it keeps a view of its tokens; the context grows on
+                context.hash_new_blocks()
+            # Nothing of the finished turn is kept through the tool call: a fan-out's
+            # requests hold a copy of the whole context.
+            del done, request, tasks, outputs
             if turn + 1 < num_turns:
                 yield env.timeout(float(self.tool_latency.sample(rng, 1)[0]))
-
-
-def _one(lengths: np.ndarray) -> int:
-    return int(lengths[0])

@@ -70,7 +70,18 @@ def stashed(config: BaseModel, name: str) -> Any | None:
 
 
 # -- token lengths (also used for turns per session) --------------------------------------------
-class FixedLength(_Config):
+class _Length(_Config):
+    """A length distribution: ``sample(rng, n)`` draws an array; ``sample_one`` one length."""
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        raise NotImplementedError
+
+    def sample_one(self, rng: np.random.Generator) -> int:
+        """One length: ``int(sample(rng, 1)[0])``, and the same draw from ``rng``."""
+        return int(self.sample(rng, 1)[0])
+
+
+class FixedLength(_Length):
     """Always the same length."""
 
     kind: Literal["fixed"] = "fixed"
@@ -83,7 +94,7 @@ class FixedLength(_Config):
         return np.full(n, self.value, dtype=np.int64)
 
 
-class UniformLength(_Config):
+class UniformLength(_Length):
     """Uniform integer length in ``[low, high]``, both ends included."""
 
     kind: Literal["uniform"] = "uniform"
@@ -101,7 +112,7 @@ class UniformLength(_Config):
         return rng.integers(self.low, self.high + 1, size=n, dtype=np.int64)
 
 
-class LogNormalLength(_Config):
+class LogNormalLength(_Length):
     """Log-normal length (heavy right tail, like prompt and output lengths), rounded, clipped."""
 
     kind: Literal["lognormal"] = "lognormal"
@@ -128,8 +139,16 @@ class LogNormalLength(_Config):
         upper = MAX_TOKENS if self.max is None else self.max
         return np.clip(draws, self.min, upper).astype(np.int64)
 
+    def sample_one(self, rng: np.random.Generator) -> int:
+        """One length, drawn without arrays (a session draws its lengths one at a time):
+        the scalar draw consumes ``rng`` as ``size=1`` does, and ``round`` rounds half to
+        even as ``np.rint``."""
+        length = round(rng.lognormal(math.log(self.median), self.sigma))
+        upper = MAX_TOKENS if self.max is None else self.max
+        return self.min if length < self.min else upper if length > upper else length
 
-class EmpiricalLength(_Config):
+
+class EmpiricalLength(_Length):
     """Resample observed lengths: inline ``values`` or a ``path`` (one integer per line, or a CSV
     column). The file is read on first use, not when the scenario is parsed."""
 

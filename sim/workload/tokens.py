@@ -126,6 +126,13 @@ class Context:
     def append(self, token_ids: Sequence[int]) -> None:
         """Append ``token_ids`` and hash every block they complete."""
         self.token_ids.extend(token_ids)
+        self.hash_new_blocks()
+
+    def hash_new_blocks(self) -> None:
+        """Hash the full blocks not hashed yet: those :meth:`append` completes, or those of
+        tokens a request appended itself (one that adopted this context's lists: see
+        :class:`sim.request.Request`, which hashes its own full blocks the same way, so only
+        what it did not hash is hashed here, e.g. a real engine's tokens in a replay)."""
         self.block_hashes.extend(
             _chain(
                 self._last_hash(),

@@ -49,6 +49,25 @@ def test_lognormal_length_median_and_clipping():
         LogNormalLength(median=7, sigma=1, min=10, max=5)
 
 
+@pytest.mark.parametrize(
+    "dist",
+    [
+        LogNormalLength(median=150, sigma=0.6, min=16, max=1000),
+        LogNormalLength(median=3, sigma=4.0),  # clipped at both ends, ties at .5
+        LogNormalLength(median=200, sigma=0.0),
+        FixedLength(value=7),
+        UniformLength(low=3, high=90),
+        EmpiricalLength(values=[10, 20, 30]),
+    ],
+)
+def test_sample_one_draws_what_sample_of_one_draws(dist):
+    one, batch = rng(7), rng(7)
+    draws = [dist.sample_one(one) for _ in range(5_000)]
+    assert all(type(d) is int for d in draws)
+    assert draws == [int(dist.sample(batch, 1)[0]) for _ in range(5_000)]
+    assert one.random() == batch.random()  # the two streams stay in step
+
+
 def test_lognormal_length_never_below_one():
     assert LogNormalLength(median=1, sigma=3).sample(rng(), N).min() >= 1
 

@@ -72,3 +72,59 @@ def test_hash_id_tokens_depend_on_seed_and_id_only():
     tokens = a.tokens([5, 6, 7], 20)
     assert tokens.tolist() == a.block(5).tolist() + a.block(6).tolist() + a.block(7)[:4].tolist()
     assert a.tokens([], 10).size == 0
+
+
+def test_a_request_that_adopts_a_context_grows_it_and_keeps_a_view_once_released():
+    context = Context(4, list(range(10, 20)))  # 10 tokens: 2 full blocks hashed
+    request = Request(
+        "r",
+        context.token_ids,
+        3,
+        block_size=4,
+        output_token_ids=[7, 8, 9],
+        prompt_block_hashes=context.block_hashes,
+        adopt_prompt=True,
+    )
+    assert request.token_ids is context.token_ids
+    for _ in range(3):
+        request.sample_output_token()
+    # The request's output and the hash of the block it filled are the context's now.
+    assert context.token_ids == [*range(10, 20), 7, 8, 9]
+    assert len(context.block_hashes) == 3
+    assert context.block_hashes == request_hashes(context.token_ids, 4)
+    request.release()
+    context.hash_new_blocks()  # nothing left to hash
+    assert len(context.block_hashes) == 3
+    context.append([1, 2, 3])
+    # The released request still reads its own tokens only.
+    assert len(request.token_ids) == 13 and request.num_tokens == 13
+    assert request.output_token_ids == [7, 8, 9]
+    assert request.token_ids[-1] == 9 and list(request.token_ids)[:2] == [10, 11]
+    assert request.token_ids == [*range(10, 20), 7, 8, 9]
+    assert list(request.block_hashes) == context.block_hashes[:3]
+    with pytest.raises(IndexError):
+        request.token_ids[13]
+
+
+def test_tokens_appended_to_an_adopted_context_by_someone_else_are_hashed_on_return():
+    # A replay on real vLLM extends the request's token ids without hashing them.
+    context = Context(4, [5, 6])
+    request = Request(
+        "r",
+        context.token_ids,
+        6,
+        block_size=4,
+        prompt_block_hashes=context.block_hashes,
+        adopt_prompt=True,
+    )
+    request.token_ids.extend([1, 2, 3, 4, 5, 6])
+    request.release()
+    context.hash_new_blocks()
+    assert context.block_hashes == request_hashes([5, 6, 1, 2, 3, 4, 5, 6], 4)
+
+
+def test_adopt_prompt_takes_lists_only():
+    with pytest.raises(TypeError, match="adopt_prompt takes two lists"):
+        Request("r", (1, 2, 3), 1, block_size=4, prompt_block_hashes=[], adopt_prompt=True)
+    with pytest.raises(TypeError, match="adopt_prompt takes two lists"):
+        Request("r", [1, 2, 3], 1, block_size=4, adopt_prompt=True)
