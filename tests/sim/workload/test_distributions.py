@@ -53,7 +53,7 @@ def test_lognormal_length_median_and_clipping():
     "dist",
     [
         LogNormalLength(median=150, sigma=0.6, min=16, max=1000),
-        LogNormalLength(median=3, sigma=4.0),  # clipped at both ends, ties at .5
+        LogNormalLength(median=3, sigma=4.0),  # clipped at both ends
         LogNormalLength(median=200, sigma=0.0),
         FixedLength(value=7),
         UniformLength(low=3, high=90),
