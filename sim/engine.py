@@ -392,17 +392,9 @@ class Engine(SinkBase):
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
         jitter = self.jitter
-        if num_lazy:
-            # The decoders are the checked ones and the lazy ones, whose computed tokens are
-            # as of their lazy_step (kept as sums).
-            decode_context0 = (
-                sum(map(_num_computed_tokens, checked))
-                + scheduler.lazy_computed_sum
-                + num_lazy * done_steps
-                - scheduler.lazy_step_sum
-            )
-        else:
-            decode_context0 = sum(map(_num_computed_tokens, decoders))
+        # The decoders are the checked ones and the lazy ones (kept as sums).
+        decode_context0 = sum(map(_num_computed_tokens, checked))
+        decode_context0 += scheduler.lazy_computed_tokens(done_steps)
         shape = BatchShape(0, 0, 0.0, num_decode, decode_context0)
         prefill_context = chunked.num_computed_tokens if chunked is not None else 0
         now_s = env.now

@@ -169,22 +169,16 @@ class Recorder:
             self.on_finished(request, end_s)
         self.step_ends.append(end_s)
         tables = scheduler.kv_cache_manager.req_to_blocks
-        # A lazy decode's num_computed_tokens is as of its lazy_step: one more per step since.
-        lazy_computed = scheduler.lazy_count * output.step - scheduler.lazy_step_sum
+        # A lazy decode's num_computed_tokens is as of its lazy_step; the scheduler keeps the
+        # lazy ones' blocks and computed tokens as sums.
+        lazy_computed = scheduler.lazy_computed_tokens(output.step)
         eager = scheduler.eager_running
-        if eager is None:
-            running = scheduler.running
-            held = sum(map(len, map(tables.__getitem__, map(_request_id, running))))
-            computed = sum(map(_num_computed_tokens, running)) + lazy_computed
-        else:
-            # Lazy decodes on and every running request either lazy or in ``eager``: the
-            # lazy ones' blocks and (stale) computed tokens are kept as sums.
-            held = scheduler.lazy_held_blocks + sum(
-                map(len, map(tables.__getitem__, map(_request_id, eager)))
-            )
-            computed = (
-                sum(map(_num_computed_tokens, eager)) + scheduler.lazy_computed_sum + lazy_computed
-            )
+        if eager is None:  # a pass over every running request, lazy ones' stale counts out
+            counted, held, computed = scheduler.running, 0, -scheduler.lazy_computed_sum
+        else:  # every running request is lazy or in ``eager``
+            counted, held, computed = eager, scheduler.lazy_held_blocks, 0
+        held += sum(map(len, map(tables.__getitem__, map(_request_id, counted))))
+        computed += sum(map(_num_computed_tokens, counted)) + lazy_computed
         unused = kv_unused_slots(held, self.block_size, computed)
         self.add_record(step_record(output.step, output, start_s, end_s, unused))
         if self._swap_columns:

@@ -72,6 +72,11 @@ class LazyDecodes:
         self._on_lazy_tokens = on_tokens
         return True
 
+    def lazy_computed_tokens(self, after_step: int) -> int:
+        """The lazy decodes' computed tokens in all, as of the end of ``after_step``: each
+        has one more per step since its lazy_step (0 with none lazy)."""
+        return self.lazy_computed_sum + self.lazy_count * after_step - self.lazy_step_sum
+
     def materialize(self, request: Request, last_step: int) -> None:
         """Bring a lazy request up to date as of the end of ``last_step`` (its tokens
         sampled through that step); it is scheduled one by one from then on."""

@@ -311,10 +311,8 @@ class Scheduler(LazyDecodes):
             request.num_computed_tokens = context + n
         num_lazy = self.lazy_count
         if num_lazy:
-            # Each lazy decode's context before this step: its computed tokens at its
-            # lazy_step plus one per step since.
             num_decode += num_lazy
-            decode_context += self.lazy_computed_sum + num_lazy * (step - 1) - self.lazy_step_sum
+            decode_context += self.lazy_computed_tokens(step - 1)  # their context before it
         if lazy:
             self._complete_pass = complete
         shape = BatchShape(
@@ -565,14 +563,9 @@ class Scheduler(LazyDecodes):
                 finished.append(request)
             elif lazy:
                 eager.append(request)
-        if finished:
-            running = self.running
-            if len(finished) <= 8:
-                for request in finished:
-                    running.remove(request)  # by identity (a Request has no __eq__), in C
-            else:
-                done = {id(r) for r in finished}
-                self.running = [r for r in running if id(r) not in done]
+        running = self.running
+        for request in finished:
+            running.remove(request)  # by identity (a Request has no __eq__), in C
         if lazy:
             self.eager_running = eager if self._complete_pass else None
         return StepUpdate(sampled, finished)
