@@ -30,6 +30,11 @@ an untied embedding table, whose gather reads only T rows. MoE models read all e
 in ``bytes``: a few MB per step against GBs of weights and KV.
 
 ``C`` is the KV read: ``decode_context_tokens`` plus the context before each prefill chunk.
+Of it, ``S = shared_kv_tokens`` re-read blocks another request of the batch holds too (a shared
+prefix); with ``shared_kv_bandwidth_efficiency`` set (calibration fits it when its runs share
+blocks) those bytes move at that efficiency instead of ``bandwidth_efficiency``:
+``kv_bytes_per_token * ((C + T - S) / bandwidth_efficiency + S / shared_kv_bandwidth_efficiency)
+/ BW``. Unset (the default, every GPU preset) the KV read is priced as one, to the bit.
 BatchShape only carries ``prefill_attention_pairs = sum c_i * (ctx_i + c_i / 2)``, so the prefill
 context is estimated as ``pairs / c_mean - num_prefill_tokens / 2`` with ``c_mean`` the mean
 chunk size: exact for one chunk or equal chunks. ``T`` new KV tokens are written.
@@ -119,6 +124,14 @@ class CostParams(BaseModel):
     bandwidth_efficiency: float = Field(
         0.8, gt=0, description="Fraction of datasheet HBM bandwidth weight and KV reads reach."
     )
+    shared_kv_bandwidth_efficiency: float | None = Field(
+        None,
+        gt=0,
+        description="Fraction of datasheet HBM bandwidth at which attention re-reads a KV "
+        "block that another request of the batch holds too (a shared prefix: the second "
+        "holder's read may find it in cache); None: bandwidth_efficiency, no different from "
+        "any other KV read. Calibration fits it when its runs share blocks.",
+    )
     step_overhead_s: float = Field(
         1e-3, ge=0, description="Fixed cost per step: scheduling, input prep, launch, sampling."
     )
@@ -177,10 +190,16 @@ class CostTerm:
     efficiency: bool = False
     # False: left out of the least-squares fit, which sets the parameter to 0.
     fitted: bool = True
+    # The parameter that prices the term while ``param`` is None (an optional refinement of
+    # another term); the fit leaves ``param`` None when its regressor is 0 on every step.
+    fallback: str | None = None
 
     def price(self, raw: float, params: CostParams) -> float:
         """Seconds of ``raw`` (datasheet seconds, or a count) under ``params``."""
-        value: float = getattr(params, self.param)
+        value: float | None = getattr(params, self.param)
+        if value is None:
+            assert self.fallback is not None, self.param
+            value = getattr(params, self.fallback)
         return raw / value if self.efficiency else raw * value
 
     def param_value(self, coefficient: float) -> float:
@@ -191,6 +210,14 @@ class CostTerm:
 LINEAR_FLOPS = CostTerm("linear_flop_s", "compute_efficiency", efficiency=True)
 ATTENTION_FLOPS = CostTerm("attention_flop_s", "attention_compute_efficiency", efficiency=True)
 BYTES = CostTerm("byte_s", "bandwidth_efficiency", efficiency=True)
+# The KV re-read of blocks held by more than one request (BatchShape.shared_kv_tokens), apart
+# from BYTES, which prices the rest of the KV read and the weights.
+SHARED_KV_BYTES = CostTerm(
+    "shared_kv_byte_s",
+    "shared_kv_bandwidth_efficiency",
+    efficiency=True,
+    fallback="bandwidth_efficiency",
+)
 STEP = CostTerm("step", "step_overhead_s")
 # T is not fitted: the linear FLOP term is a*T + b*R, so T and R together span it and a
 # per-token overhead cannot be told apart from compute efficiency.
@@ -208,6 +235,7 @@ COST_TERMS = (
     LINEAR_FLOPS,
     ATTENTION_FLOPS,
     BYTES,
+    SHARED_KV_BYTES,
     STEP,
     TOKENS,
     REQUESTS,
@@ -259,6 +287,13 @@ class CostModel:
         self._attn_s_per_pair = ATTENTION_FLOPS.price(attn_pair, params)
         self._weight_read_s = BYTES.price(weight_s, params)
         self._kv_s_per_token = BYTES.price(kv_token, params)
+        # None: a shared block's re-read is priced as any KV read (the same arithmetic as
+        # before the term existed).
+        self._kv_s_per_shared_token = (
+            None
+            if params.shared_kv_bandwidth_efficiency is None
+            else SHARED_KV_BYTES.price(kv_token, params)
+        )
         self._additive = params.mode == "additive"
         self._operators = _operator_timer(model, hardware, tp, params)
         # Megatron-style TP: one all-reduce after attention, one after the MLP, per layer;
@@ -302,9 +337,14 @@ class CostModel:
         attention_s = self._attn_s_per_pair * (
             shape.prefill_attention_pairs + decode_context_tokens
         )
-        kv_s = self._kv_s_per_token * (
-            decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
-        )
+        kv_tokens = decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
+        if self._kv_s_per_shared_token is None or not shape.shared_kv_tokens:
+            kv_s = self._kv_s_per_token * kv_tokens
+        else:
+            shared = min(shape.shared_kv_tokens, kv_tokens)
+            kv_s = (
+                self._kv_s_per_token * (kv_tokens - shared) + self._kv_s_per_shared_token * shared
+            )
         timer = self._operators
         if timer is not None:
             # Mode "operators": the kernel model plus attention, itself a roofline.
@@ -382,12 +422,14 @@ class CostModel:
         num_reqs = shape.num_prefill_reqs + shape.num_decode_reqs
         lin_token, lin_row, attn_pair, weight_s, kv_token = self._raw
         kv_tokens = shape.decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
+        shared = min(shape.shared_kv_tokens, kv_tokens)
         has_prefill = bool(shape.num_prefill_reqs)
         return {
             LINEAR_FLOPS.name: lin_token * num_tokens + lin_row * num_reqs,
             ATTENTION_FLOPS.name: attn_pair
             * (shape.prefill_attention_pairs + shape.decode_context_tokens),
-            BYTES.name: weight_s + kv_token * kv_tokens,
+            BYTES.name: weight_s + kv_token * (kv_tokens - shared),
+            SHARED_KV_BYTES.name: kv_token * shared,
             STEP.name: 1.0,
             TOKENS.name: float(num_tokens),
             REQUESTS.name: float(num_reqs),

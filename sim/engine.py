@@ -395,7 +395,10 @@ class Engine(SinkBase):
         # The decoders are the checked ones and the lazy ones (kept as sums).
         decode_context0 = sum(map(_num_computed_tokens, checked))
         decode_context0 += scheduler.lazy_computed_tokens(done_steps)
-        shape = BatchShape(0, 0, 0.0, num_decode, decode_context0)
+        # Constant through the stretch: no request comes or goes, and new blocks have one holder.
+        kv_manager = scheduler.kv_cache_manager
+        shared_kv_tokens = kv_manager.num_shared_refs * kv_manager.block_size
+        shape = BatchShape(0, 0, 0.0, num_decode, decode_context0, shared_kv_tokens)
         prefill_context = chunked.num_computed_tokens if chunked is not None else 0
         now_s = env.now
         starts: list[float] = []
@@ -508,7 +511,9 @@ class Engine(SinkBase):
             first_step,
             starts,
             ends,
-            StretchBatch(decoders, decode_context0, chunks, pairs, prefill_context0),
+            StretchBatch(
+                decoders, decode_context0, chunks, pairs, prefill_context0, shared_kv_tokens
+            ),
             num_held,
             pops_by_step,
             kv_free_counts,

@@ -84,6 +84,7 @@ class StretchBatch(NamedTuple):
     prefill_chunks: Sequence[int]  # tokens the prefill computes each step; empty: none
     prefill_pairs: Sequence[float]  # its prefill_attention_pairs each step
     prefill_context0: int  # its computed tokens before the stretch (0 without one)
+    shared_kv_tokens: int = 0  # BatchShape.shared_kv_tokens of every step of it
 
 
 class Recorder:
@@ -247,6 +248,7 @@ class Recorder:
         for name in ("num_preemptions", "prefix_cache_queries", "prefix_cache_hits"):
             steps[name].extend(zeros)
         steps["resumed_prefix_cache_hits"].extend(zeros)
+        steps["shared_kv_tokens"].extend(array("q", [batch.shared_kv_tokens]) * num_steps)
         # Unused slots after each step: held blocks x block_size - computed tokens.
         unused = steps["kv_unused_slots"]
         held = num_held_blocks

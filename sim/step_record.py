@@ -107,6 +107,7 @@ class StepRecord(NamedTuple):
     prefix_cache_hits: int  # vllm:prefix_cache_hits (first admissions)
     resumed_prefix_cache_hits: int  # hits of requests re-admitted after preemption
     kv_unused_slots: int
+    shared_kv_tokens: int  # BatchShape.shared_kv_tokens: KV re-read in blocks others hold too
 
     def row(self) -> dict[str, Any]:
         """Column name -> value."""
@@ -139,6 +140,7 @@ def step_record(
         prefix_cache_hits=output.num_prefix_hit_tokens,
         resumed_prefix_cache_hits=output.num_resumed_prefix_hit_tokens,
         kv_unused_slots=kv_unused_slots,
+        shared_kv_tokens=shape.shared_kv_tokens,
     )
 
 
@@ -205,7 +207,9 @@ def offload_step_values(offload: OffloadStep) -> tuple[int, ...]:
 
 
 def shapes_of_steps(steps: pd.DataFrame) -> list[BatchShape]:
-    """The batch shape of every row of a step table (the inverse of :func:`step_record`)."""
+    """The batch shape of every row of a step table (the inverse of :func:`step_record`).
+    Tables written before ``shared_kv_tokens`` was recorded read as sharing nothing."""
+    shared = steps["shared_kv_tokens"] if "shared_kv_tokens" in steps else [0] * len(steps)
     return [
         BatchShape(
             num_prefill_tokens=int(p),
@@ -213,13 +217,15 @@ def shapes_of_steps(steps: pd.DataFrame) -> list[BatchShape]:
             prefill_attention_pairs=float(pairs),
             num_decode_reqs=int(d),
             decode_context_tokens=int(ctx),
+            shared_kv_tokens=int(sh),
         )
-        for p, pr, pairs, d, ctx in zip(
+        for p, pr, pairs, d, ctx, sh in zip(
             steps["num_prefill_tokens"],
             steps["num_prefill_reqs"],
             steps["prefill_attention_pairs"],
             steps["num_decode_tokens"],
             steps["decode_context_tokens"],
+            shared,
             strict=True,
         )
     ]

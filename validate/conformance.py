@@ -58,6 +58,8 @@ class StepRecord:
     num_resumed_prefix_hit_tokens: int
     # Block ids of every scheduled request after allocation: pins the free-queue order.
     block_tables: tuple[tuple[str, tuple[int, ...]], ...]
+    # References beyond the first to blocks in use (BatchShape.shared_kv_tokens / block size).
+    num_shared_refs: int
 
 
 @dataclass
@@ -118,6 +120,7 @@ def run_sim(stream: Stream) -> StreamResult:
                 num_prefix_hit_tokens=out.num_prefix_hit_tokens,
                 num_resumed_prefix_hit_tokens=out.num_resumed_prefix_hit_tokens,
                 block_tables=block_tables,
+                num_shared_refs=out.shape.shared_kv_tokens // bs,
             )
         )
         if nxt == len(pending) and not scheduler.has_unfinished_requests():
@@ -254,6 +257,11 @@ def run_vllm(stream: Stream, factory: VllmSchedulerFactory) -> StreamResult:
         # Stats are recorded at admission, during schedule(): read them before the update.
         stats = scheduler.kv_cache_manager.make_prefix_cache_stats()
         free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        held = sum(
+            len(scheduler.kv_cache_manager.get_block_ids(r.request_id)[0])
+            for r in scheduler.running
+        )
+        in_use = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1 - free_blocks
         req_ids = list(out.num_scheduled_tokens)
         block_tables = tuple(
             (rid, tuple(scheduler.kv_cache_manager.get_block_ids(rid)[0])) for rid in req_ids
@@ -281,6 +289,7 @@ def run_vllm(stream: Stream, factory: VllmSchedulerFactory) -> StreamResult:
                 num_prefix_hit_tokens=stats.hits if stats else 0,
                 num_resumed_prefix_hit_tokens=stats.preempted_hits if stats else 0,
                 block_tables=block_tables,
+                num_shared_refs=held - in_use,
             )
         )
         if nxt == len(pending) and not scheduler.has_unfinished_requests():

@@ -119,6 +119,11 @@ def fit_cost_params(
     if len(used) < len(free_terms):
         raise ValueError(f"{len(used)} non-empty steps cannot fit {len(free_terms)} coefficients")
     features = [probe.features(*step) for step in used]
+    # A refinement of another term (its parameter can stay None) that no step exercises
+    # (no two requests shared a block) is left out: nothing measures it.
+    free_terms = tuple(
+        term for term in free_terms if term.fallback is None or any(f[term.name] for f in features)
+    )
     x = np.array([[f[term.name] for term in free_terms] for f in features])
     # The all-reduce transfer and the held terms are subtracted; the all-reduce latency stays
     # in, to land in the intercept.
@@ -138,7 +143,7 @@ def fit_cost_params(
         raise ValueError(f"loss={loss!r}: expected 'squares' or 'median'")
     fitted_fields: dict[str, object] = {"mode": "additive", "allreduce_latency_s": 0.0}
     for term in COST_TERMS:
-        fitted_fields[term.param] = fixed.get(term.param, 0.0)
+        fitted_fields[term.param] = fixed.get(term.param, None if term.fallback else 0.0)
     for term, coefficient in zip(free_terms, coefficients, strict=True):
         if term.efficiency:
             coefficient = max(coefficient, _MIN_INVERSE_EFFICIENCY)

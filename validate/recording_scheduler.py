@@ -64,6 +64,14 @@ class RecordingScheduler(Scheduler):
                 num_hit_tokens += num_hit
         num_running, num_waiting = self.get_request_counts()
         kv = self.kv_cache_manager
+        pool = kv.block_pool
+        num_free = pool.get_num_free_blocks()
+        held = sum(len(kv.get_block_ids(r.request_id)[0]) for r in self.running)
+        # References beyond the first to blocks in use (kvsim's BlockPool.num_shared_refs):
+        # the running requests hold every block in use, a shared prefix once per holder.
+        num_shared_refs = held - (pool.num_gpu_blocks - 1 - num_free)
+        shape = batch_shape(scheduled, requests, computed_includes_scheduled=True)
+        shape.shared_kv_tokens = num_shared_refs * self.block_size
         step = SchedulerOutput(
             step=0,
             num_scheduled_tokens=dict(scheduled),
@@ -73,12 +81,11 @@ class RecordingScheduler(Scheduler):
             num_prefix_query_tokens=num_query_tokens,
             num_prefix_hit_tokens=num_hit_tokens,
             num_resumed_prefix_hit_tokens=num_resumed_hit_tokens,
-            shape=batch_shape(scheduled, requests, computed_includes_scheduled=True),
-            num_free_blocks=kv.block_pool.get_num_free_blocks(),
+            shape=shape,
+            num_free_blocks=num_free,
             kv_usage=kv.usage,
             num_running=num_running,
             num_waiting=num_waiting,
         )
-        held = sum(len(kv.get_block_ids(r.request_id)[0]) for r in self.running)
         computed = sum(r.num_computed_tokens for r in self.running)
         return RecordedStep(step, kv_unused_slots(held, self.block_size, computed))

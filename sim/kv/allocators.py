@@ -113,6 +113,11 @@ class ContiguousKVManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    @property
+    def num_shared_refs(self) -> int:
+        """No prefix cache: no block has two holders."""
+        return 0
+
     def block_table(self, request_id: str) -> list[int]:
         """Block ids of a request's region, in order."""
         return list(self.req_to_blocks.get(request_id, ()))

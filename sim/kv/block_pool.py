@@ -79,6 +79,8 @@ class BlockPool:
         self.duplicate_blocks: dict[int, list[int]] = {}
         self.null_block = 0
         self.num_evicted_blocks = 0
+        # The sum of the ref counts: references to blocks by the requests holding them.
+        self.num_refs = 0
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -90,6 +92,12 @@ class BlockPool:
     def usage(self) -> float:
         """Fraction of usable blocks not in the free queue (``vllm:kv_cache_usage_perc``)."""
         return 1.0 - self.num_free_blocks / (self.num_gpu_blocks - 1)
+
+    @property
+    def num_shared_refs(self) -> int:
+        """References beyond the first to the blocks in use: a block held by k requests (a
+        prefix they share) counts k - 1. Attention reads such a block once per holder."""
+        return self.num_refs - (self.num_gpu_blocks - 1 - self.num_free_blocks)
 
     @property
     def num_cached_free_blocks(self) -> int:
@@ -223,6 +231,7 @@ class BlockPool:
             if self.enable_caching and self.hashed[block_id]:
                 self.evict(block_id)
             self.ref_cnt[block_id] = 1
+            self.num_refs += 1
             return [block_id]
         ids = self._pop_front(num_blocks)
         if self.enable_caching:
@@ -238,6 +247,7 @@ class BlockPool:
                     self.num_evicted_blocks += len(evicted)
                     self.evicted_at[evicted_ids] = self.num_evicted_blocks
         self.ref_cnt[ids] = 1
+        self.num_refs += num_blocks
         return ids.tolist()
 
     def evict(self, block_id: int) -> None:
@@ -272,6 +282,7 @@ class BlockPool:
             self._fifo_pos[ids if num_free == len(ids) else ids[free]] = -1
             self.num_free_blocks -= num_free
         self.ref_cnt[ids] = refs + 1
+        self.num_refs += len(ids)
 
     def free_blocks(self, ordered_block_ids: Sequence[int]) -> None:
         """Drop one reference from each block; blocks reaching 0 return to the free queue.
@@ -284,6 +295,7 @@ class BlockPool:
             return
         ids = np.asarray(ordered_block_ids, dtype=np.int64)
         refs = self.ref_cnt[ids]
+        self.num_refs -= len(ids)
         last = refs == 1
         if last.all():  # the common case: a finished request's own blocks
             self.ref_cnt[ids] = 0

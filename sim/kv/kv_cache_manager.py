@@ -145,6 +145,16 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.block_pool.usage
 
+    @property
+    def num_shared_refs(self) -> int:
+        """References beyond the first that requests hold to blocks in use (a shared prefix
+        once per holder beyond the first): ``BlockPool.num_shared_refs``, less KV retention's
+        holders, which read nothing."""
+        retention = self.retention
+        if retention is None or not retention.num_held_blocks:
+            return self.block_pool.num_shared_refs
+        return retention.num_shared_request_refs()
+
     def block_table(self, request_id: str) -> list[int]:
         """Block ids of a request, in token order."""
         return list(self.req_to_blocks.get(request_id, ()))

@@ -151,6 +151,12 @@ class KVRetention:
         if self.floor_blocks >= 0:
             self._keep_floor(now)
 
+    def num_shared_request_refs(self) -> int:
+        """``BlockPool.num_shared_refs`` without the holders' references: references beyond
+        the first to blocks in use, counting requests only (a holder reads nothing)."""
+        by_requests = self.pool.ref_cnt - self.held_refs
+        return int(np.maximum(by_requests - 1, 0).sum())
+
     def tick(self) -> None:
         """Release what is due now: expired holders, then (free_floor) the oldest ones
         while free blocks are below the floor."""

@@ -21,6 +21,11 @@ class BatchShape:
     num_decode_reqs: int = 0
     # Sum of the context lengths the decodes attend over (KV read per step).
     decode_context_tokens: int = 0
+    # KV tokens in blocks held by more than one request, counted once per holder beyond the
+    # first (BlockPool.num_shared_refs x block_size, after the step's allocations): the part
+    # of the KV read that re-reads a block another request of the batch reads too (a shared
+    # prefix). Only full blocks are shared, so every such block holds block_size tokens.
+    shared_kv_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

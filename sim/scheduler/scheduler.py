@@ -315,12 +315,17 @@ class Scheduler(LazyDecodes):
             decode_context += self.lazy_computed_tokens(step - 1)  # their context before it
         if lazy:
             self._complete_pass = complete
+        pool = kv.block_pool
         shape = BatchShape(
-            num_prefill_tokens, num_prefill_reqs, prefill_pairs, num_decode, decode_context
+            num_prefill_tokens,
+            num_prefill_reqs,
+            prefill_pairs,
+            num_decode,
+            decode_context,
+            kv.num_shared_refs * kv.block_size,
         )
 
         self.num_steps += 1
-        pool = kv.block_pool
         return SchedulerOutput(
             step=self.num_steps,
             num_scheduled_tokens=num_scheduled,

@@ -135,6 +135,7 @@ def synthesize_run(
         "prefix_cache_hits": rng.integers(0, 4096, m),
         "resumed_prefix_cache_hits": np.zeros(m, dtype=np.int64),
         "kv_unused_slots": rng.integers(0, 4000, m),
+        "shared_kv_tokens": rng.integers(0, 2048, m),
     }
     assert list(steps) == STEP_COLUMNS
     pq.write_table(pa.table(steps), out_dir / "steps.parquet")

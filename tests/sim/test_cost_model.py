@@ -7,7 +7,15 @@ from pydantic import ValidationError
 
 from sim.config.hardware import HARDWARE_PRESETS
 from sim.config.model import MODEL_PRESETS
-from sim.cost_model import COST_TERMS, IDLE_GAP_UNIT_S, CostModel, CostParams, idle_gap_feature
+from sim.cost_model import (
+    COST_TERMS,
+    IDLE_GAP_UNIT_S,
+    LINEAR_FLOPS,
+    STEP,
+    CostModel,
+    CostParams,
+    idle_gap_feature,
+)
 from sim.errors import KvsimConfigError
 from sim.scheduler.output import BatchShape
 
@@ -147,7 +155,7 @@ def test_cost_terms_price_every_step_time_parameter_once():
 
 
 def test_cost_term_param_value_inverts_price():
-    efficiency, overhead = COST_TERMS[0], COST_TERMS[3]
+    efficiency, overhead = LINEAR_FLOPS, STEP
     assert efficiency.efficiency and not overhead.efficiency
     params = CostParams(compute_efficiency=0.25, step_overhead_s=3e-3)
     assert efficiency.price(2.0, params) == 8.0
@@ -170,6 +178,7 @@ step_params = st.builds(
     idle_wakeup_log_s=st.floats(0.0, 5e-3),
     post_prefill_decode_s=st.floats(0.0, 1e-2),
     allreduce_latency_s=st.floats(0.0, 1e-4),
+    shared_kv_bandwidth_efficiency=st.none() | st.floats(0.05, 4.0),
 )
 
 
@@ -180,12 +189,14 @@ step_params = st.builds(
     since_prefill=st.integers(-1, 50),
     idle_s=st.floats(0.0, 600.0),
     params=step_params,
+    shared_share=st.floats(0.0, 1.0),
 )
 def test_additive_step_time_is_the_priced_sum_of_the_named_features(
-    model, hardware, tp, counts, after_idle, since_prefill, idle_s, params
+    model, hardware, tp, counts, after_idle, since_prefill, idle_s, params, shared_share
 ):
     """One definition: COST_TERMS prices the features; the hot loop's folding agrees."""
     shape = make_shape(*counts)
+    shape.shared_kv_tokens = int(shared_share * shape.decode_context_tokens)
     cost = CostModel(model, hardware, tp, params)
     context = (after_idle, since_prefill, idle_s)
     features = cost.features(shape, *context)
@@ -303,3 +314,22 @@ def test_cost_params_reject_unknown_keys_and_bad_values():
         CostParams(bandwidth_efficiency=0)
     with pytest.raises(ValidationError):
         CostParams(mode="max")
+
+
+def test_shared_block_rereads_are_priced_apart_only_when_fitted():
+    """Without ``shared_kv_bandwidth_efficiency`` a shared block's re-read is any KV read
+    (the step time does not move, to the bit); with it, at a higher bandwidth, the re-read
+    part of the KV read costs less, and never below the step without those tokens' reads."""
+    shape = BatchShape(num_decode_reqs=8, decode_context_tokens=8 * 2000)
+    shared = BatchShape(num_decode_reqs=8, decode_context_tokens=8 * 2000, shared_kv_tokens=7 * 512)
+    for mode in ("roofline", "additive"):
+        plain = make_cost_model(mode=mode, tp=1)
+        assert plain.step_time_s(shared) == plain.step_time_s(shape)
+    params = CostParams(mode="additive", shared_kv_bandwidth_efficiency=2.0)
+    cost = CostModel(LLAMA_8B, H100, 1, params)
+    base = CostModel(
+        LLAMA_8B, H100, 1, params.model_copy(update={"shared_kv_bandwidth_efficiency": None})
+    )
+    saved_s = base.step_time_s(shared) - cost.step_time_s(shared)
+    kv_s_per_token = LLAMA_8B.kv_bytes_per_token(1) / H100.hbm_bandwidth_bytes_per_s
+    assert saved_s == pytest.approx(7 * 512 * kv_s_per_token * (1 / 0.8 - 1 / 2.0), rel=1e-9)

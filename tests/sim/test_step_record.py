@@ -57,6 +57,7 @@ def test_add_record_appends_one_row_in_column_order():
         prefix_cache_hits=32,
         resumed_prefix_cache_hits=16,
         kv_unused_slots=11,
+        shared_kv_tokens=64,
     )
     recorder = Recorder(16)
     recorder.add_record(record)

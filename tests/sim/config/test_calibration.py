@@ -151,7 +151,12 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
     old = json.loads(PROFILE_WITHOUT_BUDGETS)
     assert json.loads(saved.read_text()) == {
         **old,
-        "params": {**old["params"], "kernels": None, "idle_wakeup_log_s": 0.0},
+        "params": {
+            **old["params"],
+            "kernels": None,
+            "idle_wakeup_log_s": 0.0,
+            "shared_kv_bandwidth_efficiency": None,
+        },
         "max_num_batched_tokens": [],
         "params_by_budget": {},
         "source": "vllm",

@@ -108,10 +108,13 @@ def test_free_of_a_shared_block_only_drops_a_reference() -> None:
     pool = make_pool(8)
     blocks = pool.get_new_blocks(2)
     cache(pool, blocks, [101, 102])
+    assert pool.num_shared_refs == 0
     pool.touch(blocks)  # a second request hits both
     assert refs(pool, blocks) == [2, 2]
+    assert pool.num_shared_refs == 2  # each block read twice: two re-reads
     pool.free_blocks(blocks[::-1])
     assert refs(pool, blocks) == [1, 1]
+    assert pool.num_shared_refs == 0
     assert pool.free_block_ids() == [3, 4, 5, 6, 7]
     pool.free_blocks(blocks[::-1])
     assert pool.free_block_ids() == [3, 4, 5, 6, 7, 2, 1]
@@ -266,5 +269,6 @@ def test_free_queue_matches_a_list_model_over_random_operations() -> None:
         assert pool.free_block_ids() == queue
         assert pool.num_free_blocks == len(queue)
         assert pool.ref_cnt.tolist() == refs_model
+        assert pool.num_shared_refs == sum(max(r - 1, 0) for r in refs_model)
         assert pool.first_cached_block == {h: b for b, h in hash_of.items()}
         assert pool.num_cached_free_blocks == sum(b in hash_of for b in queue)

@@ -444,3 +444,29 @@ def test_batch_shape_counts_prefill_tokens_decode_reqs_and_decode_context() -> N
     assert (shape.num_prefill_tokens, shape.num_decode_reqs) == (52, 2)
     assert shape.decode_context_tokens == 11 + 21
     assert shape.prefill_attention_pairs == 52 * (98 + 26)
+
+
+def test_the_batch_counts_the_blocks_requests_share_once_per_extra_holder() -> None:
+    """Three requests hit a 2-block shared prefix (one registered it, two hit it): the
+    batch re-reads those blocks twice each, shared_kv_tokens = 2 blocks x 2 extra holders."""
+    scheduler = make_scheduler()
+    prefix = list(range(1000, 1032))  # two full blocks
+    scheduler.add_request(make_request("a", prompt=[*prefix, 1, 2, 3], max_tokens=4))
+    output, _ = step(scheduler)
+    assert output.shape.shared_kv_tokens == 0  # one holder
+    scheduler.add_request(make_request("b", prompt=[*prefix, 4, 5], max_tokens=4))
+    scheduler.add_request(make_request("c", prompt=[*prefix, 6], max_tokens=4))
+    output, _ = step(scheduler)
+    assert output.admitted_hit_tokens == [32, 32]
+    assert output.shape.shared_kv_tokens == 2 * 2 * 16
+    output, update = step(scheduler)  # all three decode: the same blocks, still shared
+    assert output.shape.num_decode_reqs == 3
+    assert output.shape.shared_kv_tokens == 2 * 2 * 16
+    while not update.finished:
+        output, update = step(scheduler)
+    assert ids(update.finished) == ["a"]  # admitted a step before the others
+    assert output.shape.shared_kv_tokens == 2 * 2 * 16  # its last step still held them
+    output, update = step(scheduler)
+    assert output.shape.shared_kv_tokens == 2 * 1 * 16  # b and c: one extra holder
+    assert ids(update.finished) == ["b", "c"]
+    assert scheduler.kv_cache_manager.num_shared_refs == 0
