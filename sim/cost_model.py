@@ -31,8 +31,9 @@ in ``bytes``: a few MB per step against GBs of weights and KV.
 
 ``C`` is the KV read: ``decode_context_tokens`` plus the context before each prefill chunk.
 Of it, ``S = shared_kv_tokens`` re-read blocks another request of the batch holds too (a shared
-prefix); with ``shared_kv_bandwidth_efficiency`` set (calibration fits it when its runs share
-blocks) those bytes move at that efficiency instead of ``bandwidth_efficiency``:
+prefix); with ``shared_kv_bandwidth_efficiency`` set (``validate.fit.fit_cost_params`` fits it
+only when asked, ``shared_kv=True``) those bytes move at that efficiency instead of
+``bandwidth_efficiency``:
 ``kv_bytes_per_token * ((C + T - S) / bandwidth_efficiency + S / shared_kv_bandwidth_efficiency)
 / BW``. Unset (the default, every GPU preset) the KV read is priced as one, to the bit.
 BatchShape only carries ``prefill_attention_pairs = sum c_i * (ctx_i + c_i / 2)``, so the prefill
@@ -130,7 +131,7 @@ class CostParams(BaseModel):
         description="Fraction of datasheet HBM bandwidth at which attention re-reads a KV "
         "block that another request of the batch holds too (a shared prefix: the second "
         "holder's read may find it in cache); None: bandwidth_efficiency, no different from "
-        "any other KV read. Calibration fits it when its runs share blocks.",
+        "any other KV read (the default: the fit sets it only when asked).",
     )
     step_overhead_s: float = Field(
         1e-3, ge=0, description="Fixed cost per step: scheduling, input prep, launch, sampling."
@@ -191,7 +192,7 @@ class CostTerm:
     # False: left out of the least-squares fit, which sets the parameter to 0.
     fitted: bool = True
     # The parameter that prices the term while ``param`` is None (an optional refinement of
-    # another term); the fit leaves ``param`` None when its regressor is 0 on every step.
+    # another term); unless asked to fit it, the fit folds its regressor into that term's.
     fallback: str | None = None
 
     def price(self, raw: float, params: CostParams) -> float:

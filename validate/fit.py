@@ -58,6 +58,7 @@ def fit_cost_params(
     loss: Loss = "squares",
     fixed: Mapping[str, float] | None = None,
     idle_s: Sequence[float] | None = None,
+    shared_kv: bool = False,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
 
@@ -76,6 +77,11 @@ def fit_cost_params(
     ``fixed`` holds parameters of fitted terms (CostParams field -> value) at the given
     values instead: their terms are priced by them and taken off the measured times, like the
     all-reduce transfer, and the other terms are fitted to the rest.
+    ``shared_kv`` fits the re-reads of blocks several requests hold
+    (``shared_kv_bandwidth_efficiency``) apart from the rest of the KV read, when some step
+    has any; otherwise (the default) they count as any KV read and the parameter stays None.
+    Off by default: the runs must vary their sharing apart from their context for the split
+    to be identified (see the README, "How the simulator works").
 
     Regresses duration minus the all-reduce transfer time (and the held terms) on the
     features of the other :data:`FITTED_TERMS`; efficiencies are the inverse coefficients.
@@ -119,11 +125,21 @@ def fit_cost_params(
     if len(used) < len(free_terms):
         raise ValueError(f"{len(used)} non-empty steps cannot fit {len(free_terms)} coefficients")
     features = [probe.features(*step) for step in used]
-    # A refinement of another term (its parameter can stay None) that no step exercises
-    # (no two requests shared a block) is left out: nothing measures it.
-    free_terms = tuple(
-        term for term in free_terms if term.fallback is None or any(f[term.name] for f in features)
-    )
+    # A refinement of another term (its parameter can stay None) is fitted apart only when
+    # asked and some step exercises it; otherwise its regressor folds into the term it
+    # refines (or, that one held, is priced with it), as the cost model prices it with the
+    # parameter None.
+    refined: dict[str, str | None] = {}
+    for term in free_terms:
+        if term.fallback is None or (shared_kv and any(f[term.name] for f in features)):
+            continue
+        refined[term.name] = next((t.name for t in free_terms if t.param == term.fallback), None)
+    for f in features:
+        for name, into in refined.items():
+            if into is not None:
+                f[into] += f[name]
+    held_terms += tuple(t for t in free_terms if t.name in refined and refined[t.name] is None)
+    free_terms = tuple(term for term in free_terms if term.name not in refined)
     x = np.array([[f[term.name] for term in free_terms] for f in features])
     # The all-reduce transfer and the held terms are subtracted; the all-reduce latency stays
     # in, to land in the intercept.

@@ -230,27 +230,37 @@ def test_median_loss_recovers_noise_free_params_and_rejects_unknown_losses():
         fit_cost_params(shapes, durations_s, LLAMA_8B, H100, loss="mean")  # type: ignore[arg-type]
 
 
-def test_fit_prices_shared_block_rereads_apart_only_when_steps_share_blocks():
-    """Decodes that share a prefix re-read its blocks: with steps that share (a varying
-    part of their context), the fit recovers the re-reads' own bandwidth; without any, the
-    parameter stays None (priced as any KV read) and the rest of the fit is unchanged."""
-    shared_params = TRUE_PARAMS.model_copy(update={"shared_kv_bandwidth_efficiency": 2.5})
-    truth = CostModel(LLAMA_8B, H100, 1, shared_params)
+def test_fit_prices_shared_block_rereads_apart_only_when_asked_and_measured():
+    """Decodes that share a prefix re-read its blocks. Asked to (``shared_kv``), on steps that
+    share a varying part of their context, the fit recovers the re-reads' own bandwidth; by
+    default, or when no step shares a block, the parameter stays None and the re-reads count
+    as any KV read (exactly what the cost model then prices)."""
     shapes = synthetic_shapes(seed=13, num_steps=300)
     rng = np.random.default_rng(13)
     for shape in shapes:
         shape.shared_kv_tokens = int(rng.uniform(0.0, 0.6) * shape.decode_context_tokens)
-    params, quality = fit_cost_params(
-        shapes, [truth.step_time_s(s) for s in shapes], LLAMA_8B, H100
-    )
+    shared_params = TRUE_PARAMS.model_copy(update={"shared_kv_bandwidth_efficiency": 2.5})
+    truth = CostModel(LLAMA_8B, H100, 1, shared_params)
+    durations_s = [truth.step_time_s(s) for s in shapes]
+    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, shared_kv=True)
     assert quality["r2"] > 0.999
     assert params.shared_kv_bandwidth_efficiency == pytest.approx(2.5, rel=0.01)
     assert params.bandwidth_efficiency == pytest.approx(0.75, rel=0.01)
 
-    for shape in shapes:
-        shape.shared_kv_tokens = 0
     plain = CostModel(LLAMA_8B, H100, 1, TRUE_PARAMS)
     durations_s = [plain.step_time_s(s) for s in shapes]
-    params, _ = fit_cost_params(shapes, durations_s, LLAMA_8B, H100)
+    params, quality = fit_cost_params(shapes, durations_s, LLAMA_8B, H100)
+    assert params.shared_kv_bandwidth_efficiency is None
+    assert params.bandwidth_efficiency == pytest.approx(0.75, rel=0.01)
+    assert quality["r2"] > 0.999
+    held = {"bandwidth_efficiency": 0.75}
+    params, _ = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, fixed=held)
+    assert params.shared_kv_bandwidth_efficiency is None
+    assert params.compute_efficiency == pytest.approx(0.55, rel=0.01)
+
+    for shape in shapes:
+        shape.shared_kv_tokens = 0
+    durations_s = [plain.step_time_s(s) for s in shapes]
+    params, _ = fit_cost_params(shapes, durations_s, LLAMA_8B, H100, shared_kv=True)
     assert params.shared_kv_bandwidth_efficiency is None
     assert params.bandwidth_efficiency == pytest.approx(0.75, rel=0.01)
