@@ -395,9 +395,7 @@ class Engine(SinkBase):
         # The decoders are the checked ones and the lazy ones (kept as sums).
         decode_context0 = sum(map(_num_computed_tokens, checked))
         decode_context0 += scheduler.lazy_computed_tokens(done_steps)
-        # Constant through the stretch: no request comes or goes, and new blocks have one holder.
-        kv_manager = scheduler.kv_cache_manager
-        shared_kv_tokens = kv_manager.num_shared_refs * kv_manager.block_size
+        shared_kv_tokens = scheduler.kv_cache_manager.shared_kv_tokens  # fixed in a stretch
         shape = BatchShape(0, 0, 0.0, num_decode, decode_context0, shared_kv_tokens)
         prefill_context = chunked.num_computed_tokens if chunked is not None else 0
         now_s = env.now

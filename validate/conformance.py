@@ -232,6 +232,8 @@ def run_vllm(stream: Stream, factory: VllmSchedulerFactory) -> StreamResult:
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request as VllmRequest
 
+    from validate.recording_scheduler import held_and_shared_refs
+
     scheduler = factory.make(stream.config, stream.num_gpu_blocks)
     hasher = factory.block_hasher(stream.config.block_size)
     pending = sorted(stream.requests, key=lambda r: (r.arrival_step, r.request_id))
@@ -257,11 +259,7 @@ def run_vllm(stream: Stream, factory: VllmSchedulerFactory) -> StreamResult:
         # Stats are recorded at admission, during schedule(): read them before the update.
         stats = scheduler.kv_cache_manager.make_prefix_cache_stats()
         free_blocks = scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
-        held = sum(
-            len(scheduler.kv_cache_manager.get_block_ids(r.request_id)[0])
-            for r in scheduler.running
-        )
-        in_use = scheduler.kv_cache_manager.block_pool.num_gpu_blocks - 1 - free_blocks
+        _, num_shared_refs = held_and_shared_refs(scheduler)
         req_ids = list(out.num_scheduled_tokens)
         block_tables = tuple(
             (rid, tuple(scheduler.kv_cache_manager.get_block_ids(rid)[0])) for rid in req_ids
@@ -289,7 +287,7 @@ def run_vllm(stream: Stream, factory: VllmSchedulerFactory) -> StreamResult:
                 num_prefix_hit_tokens=stats.hits if stats else 0,
                 num_resumed_prefix_hit_tokens=stats.preempted_hits if stats else 0,
                 block_tables=block_tables,
-                num_shared_refs=held - in_use,
+                num_shared_refs=num_shared_refs,
             )
         )
         if nxt == len(pending) and not scheduler.has_unfinished_requests():

@@ -20,6 +20,16 @@ from sim.scheduler.output import SchedulerOutput
 from sim.step_record import batch_shape, kv_unused_slots
 
 
+def held_and_shared_refs(scheduler: Scheduler) -> tuple[int, int]:
+    """Blocks held by a vLLM scheduler's running requests, and the references beyond the
+    first to the blocks in use (kvsim's ``BlockPool.num_shared_refs``): the running requests
+    hold every block in use, a shared prefix once per holder."""
+    kv = scheduler.kv_cache_manager
+    held = sum(len(kv.get_block_ids(r.request_id)[0]) for r in scheduler.running)
+    pool = kv.block_pool
+    return held, held - (pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())
+
+
 @dataclass(frozen=True)
 class RecordedStep:
     """What vLLM's scheduler decided in one step, in kvsim's types."""
@@ -64,12 +74,7 @@ class RecordingScheduler(Scheduler):
                 num_hit_tokens += num_hit
         num_running, num_waiting = self.get_request_counts()
         kv = self.kv_cache_manager
-        pool = kv.block_pool
-        num_free = pool.get_num_free_blocks()
-        held = sum(len(kv.get_block_ids(r.request_id)[0]) for r in self.running)
-        # References beyond the first to blocks in use (kvsim's BlockPool.num_shared_refs):
-        # the running requests hold every block in use, a shared prefix once per holder.
-        num_shared_refs = held - (pool.num_gpu_blocks - 1 - num_free)
+        held, num_shared_refs = held_and_shared_refs(self)
         shape = batch_shape(scheduled, requests, computed_includes_scheduled=True)
         shape.shared_kv_tokens = num_shared_refs * self.block_size
         step = SchedulerOutput(
@@ -82,7 +87,7 @@ class RecordingScheduler(Scheduler):
             num_prefix_hit_tokens=num_hit_tokens,
             num_resumed_prefix_hit_tokens=num_resumed_hit_tokens,
             shape=shape,
-            num_free_blocks=num_free,
+            num_free_blocks=kv.block_pool.get_num_free_blocks(),
             kv_usage=kv.usage,
             num_running=num_running,
             num_waiting=num_waiting,

@@ -118,6 +118,11 @@ class ContiguousKVManager:
         """No prefix cache: no block has two holders."""
         return 0
 
+    @property
+    def shared_kv_tokens(self) -> int:
+        """No prefix cache: no KV block is re-read."""
+        return 0
+
     def block_table(self, request_id: str) -> list[int]:
         """Block ids of a request's region, in order."""
         return list(self.req_to_blocks.get(request_id, ()))

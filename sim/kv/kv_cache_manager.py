@@ -155,6 +155,11 @@ class KVCacheManager:
             return self.block_pool.num_shared_refs
         return retention.num_shared_request_refs()
 
+    @property
+    def shared_kv_tokens(self) -> int:
+        """``BatchShape.shared_kv_tokens`` now: :attr:`num_shared_refs` full blocks."""
+        return self.num_shared_refs * self.block_size
+
     def block_table(self, request_id: str) -> list[int]:
         """Block ids of a request, in token order."""
         return list(self.req_to_blocks.get(request_id, ()))

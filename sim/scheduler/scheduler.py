@@ -322,7 +322,7 @@ class Scheduler(LazyDecodes):
             prefill_pairs,
             num_decode,
             decode_context,
-            kv.num_shared_refs * kv.block_size,
+            kv.shared_kv_tokens,
         )
 
         self.num_steps += 1
