@@ -182,8 +182,8 @@ def warm_up_sizes(max_num_batched_tokens: int, max_num_seqs: int, max_model_len:
     """
     budget = min(max_num_batched_tokens, max_model_len - 1)
     small = min(budget, max(WARM_EVERY_SIZE_UP_TO, max_num_seqs))
-    large = {budget, *range(small + WARM_STRIDE, budget, WARM_STRIDE)} - set(range(small + 1))
-    return sorted(large, reverse=True) + list(range(1, small + 1))
+    above = [*range(small + WARM_STRIDE, budget, WARM_STRIDE), budget] if budget > small else []
+    return above[::-1] + list(range(1, small + 1))
 
 
 def warm_up(engine: Any, scenario: Scenario) -> float:
