@@ -80,8 +80,11 @@ def fit_cost_params(
     ``shared_kv`` fits the re-reads of blocks several requests hold
     (``shared_kv_bandwidth_efficiency``) apart from the rest of the KV read, when some step
     has any; otherwise (the default) they count as any KV read and the parameter stays None.
-    Off by default: the runs must vary their sharing apart from their context for the split
-    to be identified (see the README, "How the simulator works").
+    Off by default: the runs must vary their sharing apart from their context and their
+    batch size for the split to be identified, and a scenario whose requests share one
+    fixed prefix of p tokens re-reads p x (n - 1) of them in a decode step of n requests,
+    which the per-request and per-step terms already span (see the README, "How the
+    simulator works").
 
     Regresses duration minus the all-reduce transfer time (and the held terms) on the
     features of the other :data:`FITTED_TERMS`; efficiencies are the inverse coefficients.
