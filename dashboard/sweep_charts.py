@@ -16,8 +16,8 @@ def _axis(values: pd.Index) -> list[str]:
 
 
 def heatmap_figure(hm: Heatmap, metric_label: str) -> go.Figure:
-    """The metric per cell, each cell labelled (value, ``FAIL``, ``failed``); a cell with
-    no ok point is blank."""
+    """The metric per cell, each cell labelled (value, ``FAIL``, ``UNFINISHED``,
+    ``failed``); a cell with no ok point is blank."""
     fig = go.Figure(
         go.Heatmap(
             z=hm.z.to_numpy(),

@@ -3,7 +3,11 @@
 ``results.parquet`` (``sim/sweep.py``) has one row per point: ``point``, one typed column per
 grid field, ``status`` (ok / failed / pending), ``error``, ``run_dir``, the metrics and the
 SLO verdicts (``slo_<name>_pass``, ``slo_pass``; ``slo_pass`` is empty when the scenario sets
-no SLOs). A point "passes" when it ran (``ok``) and every SLO held, or the scenario sets none.
+no SLOs). A point "passes" when it ran (``ok``), finished every request (``num_finished`` ==
+``num_requests``) and every SLO held, or the scenario sets none: a run that hit
+``limits.max_duration_s`` with requests unfinished has latencies over the finished ones only,
+the slowest left out, so its SLO verdicts read better than the config is (the tuner and
+``kvsim capacity`` count such a run as failing too).
 """
 
 from __future__ import annotations
@@ -73,9 +77,19 @@ def knobs(grid: object, table: pd.DataFrame) -> list[str]:
     return [c for c in columns[:end] if c != "point"]
 
 
-def passing(table: pd.DataFrame) -> pd.Series:
-    """True for the ok points whose SLOs all held (or whose scenario sets none)."""
+def unfinished(table: pd.DataFrame) -> pd.Series:
+    """True for the ok points whose run left requests unfinished (it hit
+    ``limits.max_duration_s``); False everywhere for a table without the request counts."""
     ok = table["status"] == "ok"
+    if not {"num_requests", "num_finished"} <= set(table.columns):
+        return ok & False
+    return ok & (table["num_finished"] < table["num_requests"])
+
+
+def passing(table: pd.DataFrame) -> pd.Series:
+    """True for the ok points that finished every request and whose SLOs all held (or
+    whose scenario sets none)."""
+    ok = (table["status"] == "ok") & ~unfinished(table)
     if "slo_pass" not in table.columns:
         return ok
     slo = table["slo_pass"]
@@ -83,13 +97,15 @@ def passing(table: pd.DataFrame) -> pd.Series:
 
 
 def verdicts(table: pd.DataFrame) -> pd.Series:
-    """Each point's verdict: ``PASS``, ``FAIL`` (an SLO missed), ``no SLOs``, ``failed``
-    (the point did not run: see its error) or ``pending``."""
+    """Each point's verdict: ``PASS``, ``FAIL`` (an SLO missed), ``no SLOs``,
+    ``UNFINISHED`` (its run hit the time limit with requests unfinished, whatever its SLOs
+    read), ``failed`` (the point did not run: see its error) or ``pending``."""
     out = table["status"].map({"failed": "failed", "pending": "pending"}).fillna("PASS")
     if "slo_pass" in table.columns:
         ok = table["status"] == "ok"
         out[ok & table["slo_pass"].isna()] = "no SLOs"
         out[ok & (table["slo_pass"] == False)] = "FAIL"  # noqa: E712
+    out[unfinished(table)] = "UNFINISHED"
     return out.rename("verdict")
 
 
@@ -105,8 +121,9 @@ def values(table: pd.DataFrame, knob: str) -> list[object]:
 @dataclass(frozen=True)
 class Heatmap:
     """``z``: the metric per (y value, x value), NaN where no ok point; ``labels``: what each
-    cell says (the value, ``failed``, ``FAIL`` marks a missed SLO); ``points``: the point id
-    of each cell (empty when aggregated)."""
+    cell says (the value, ``failed``, ``FAIL`` marks a missed SLO, ``UNFINISHED`` a run that
+    hit its time limit with requests unfinished); ``points``: the point id of each cell
+    (empty when aggregated)."""
 
     z: pd.DataFrame
     labels: pd.DataFrame
@@ -118,9 +135,11 @@ def _cell(values: pd.DataFrame, metric: str) -> str:
     if ok.empty:
         return "failed" if (values["status"] == "failed").any() else "pending"
     text = f"{ok[metric].mean():.4g}" if pd.notna(ok[metric].mean()) else "-"
-    fails = int((verdicts(values) == "FAIL").sum())
-    if fails:
-        text += " FAIL" if len(values) == 1 else f" ({fails} FAIL)"
+    marks = verdicts(values)
+    for mark in ("FAIL", "UNFINISHED"):
+        count = int((marks == mark).sum())
+        if count:
+            text += f" {mark}" if len(values) == 1 else f" ({count} {mark})"
     failed = int((values["status"] == "failed").sum())
     if failed and len(values) > 1:
         text += f" ({failed} failed)"

@@ -194,11 +194,18 @@ def sweep(
         raise fail(str(exc)) from None
     except OSError as exc:
         raise fail(f"--out {out}: cannot write the sweep ({exc})") from None
-    ran = int((table["status"] == "ok").sum())
-    failed = int((table["status"] == "failed").sum())
+    ok = table["status"] == "ok"
+    ran, failed = int(ok.sum()), int((table["status"] == "failed").sum())
     pending = len(table) - ran - failed
+    cut = int((ok & (table["num_finished"] < table["num_requests"])).sum()) if ran else 0
     console.print(
         f"{ran} of {len(table)} points ran"
+        + (
+            f" ({cut} hit limits.max_duration_s with requests unfinished: their latencies "
+            "leave those out, see num_finished)"
+            if cut
+            else ""
+        )
         + (f", {failed} failed (see the error column)" if failed else "")
         + (f", {pending} have no result (their run directory is missing)" if pending else "")
         + f"; results: {out / RESULTS_FILE}",

@@ -131,7 +131,12 @@ def replay_cmd(
 
 def _print_run_status(run: RunData) -> None:
     s = run.summary
-    status = "complete" if s.get("complete") else f"[red]INCOMPLETE[/red]: {s.get('error')}"
+    if not s.get("complete"):
+        status = f"[red]INCOMPLETE[/red]: {s.get('error')}"
+    elif s.get("truncated_at_limit"):
+        status = "[yellow]TRUNCATED[/yellow] at limits.max_duration_s"
+    else:
+        status = "complete"
     console.print(
         f"{run.path}: {s['num_finished']}/{s['num_requests']} requests, "
         f"{s['duration_s']:.1f} s, vLLM {s.get('vllm_version')}, {status}",

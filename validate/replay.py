@@ -8,7 +8,8 @@ model produced, so vLLM's prefix cache sees real sharing. The engine is vLLM's i
 step's batch. Output lengths are pinned (``min_tokens = max_tokens``, ``ignore_eos``).
 
 If the engine fails mid-run, what was recorded so far is kept and the summary says
-``complete: false`` with the error.
+``complete: false`` with the error; a workload still running at ``limits.max_duration_s``
+is stopped there, as in the simulator, and the summary says ``truncated_at_limit: true``.
 """
 
 from __future__ import annotations
@@ -45,6 +46,9 @@ class ReplayResult:
     model: str
     num_gpu_blocks: int
     dtype: str  # what the engine ran in (validate.engine_args.cpu_replay_dtype on CPU)
+    # The workload was still running at limits.max_duration_s, where the replay stopped (as
+    # the simulator does): requests in flight or still to come are left out of the records.
+    truncated_at_limit: bool = False
 
 
 class VllmSink(SinkBase):
@@ -213,7 +217,8 @@ def warm_up(engine: Any, scenario: Scenario) -> float:
 
 def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayResult:
     """Run the scenario's workload against ``engine`` in real time; never raises on engine
-    failure (the result carries the error)."""
+    failure (the result carries the error). Stops at ``limits.max_duration_s`` as the
+    simulator does, and says so (``truncated_at_limit``) when the workload had not drained."""
     import vllm
 
     from validate.recording_scheduler import RecordingScheduler
@@ -225,9 +230,13 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
     workload = build_workload(scenario.workload, scenario.seed)
     workload.start(sink, np.random.default_rng(scenario.seed))
     limit_s = scenario.limits.max_duration_s
+    truncated = False
     while sink.error is None:
         next_event_s = env.peek()
-        if next_event_s == float("inf") or next_event_s > limit_s:
+        if next_event_s == float("inf"):
+            break  # workload drained, engine idle
+        if next_event_s > limit_s:
+            truncated = True
             break
         env.step()
     steps = recorder.steps
@@ -235,5 +244,13 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
     num_blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
     dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
     return ReplayResult(
-        recorder, sink.error, end_s, vllm.__version__, device, model, num_blocks, dtype
+        recorder,
+        sink.error,
+        limit_s if truncated else end_s,  # the simulator's duration of a truncated run
+        vllm.__version__,
+        device,
+        model,
+        num_blocks,
+        dtype,
+        truncated,
     )

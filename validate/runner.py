@@ -49,7 +49,7 @@ def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]
         result.recorder.requests_frame(),
         result.recorder.steps_frame(),
         complete=result.error is None,
-        truncated_at_limit=False,
+        truncated_at_limit=result.truncated_at_limit,
         duration_s=result.duration_s,
         kv_cache={
             "block_size": scenario.engine.block_size,
@@ -156,8 +156,9 @@ class ValidationReport:
     rows: list[ComparisonRow]
     # Per real run: median measured / simulated step time over its steps (see step_time_ratio).
     step_time_ratios: list[float | None]
-    # What the calibration did not cover (CalibrationProfile.budget_warning, and the
-    # simulation's steps outside the profile's fitted batch shapes).
+    # Runs that left requests out (unfinished_warnings), and what the calibration did not
+    # cover (CalibrationProfile.budget_warning, and the simulation's steps outside the
+    # profile's fitted batch shapes).
     warnings: list[str]
     # Share of the simulation's steps in the profile's fitted shape cells (sim.shape_coverage);
     # None when the profile records none.
@@ -213,8 +214,8 @@ def build_report(
         else shipped_profile(scenario.hardware, scenario.model)
     )
     params = profile.params_for(scenario.engine.max_num_batched_tokens) if profile else CostParams()
-    warnings = []
     coverage = None
+    warnings: list[str | None] = [*unfinished_warnings(scenario, sim, reals)]
     if profile is not None:
         warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
         coverage = profile.coverage(
@@ -235,6 +236,32 @@ def build_report(
         shape_coverage=coverage.fraction if coverage else None,
         band=list(band),
     )
+
+
+def unfinished_warnings(scenario: Scenario, sim: RunData, reals: Sequence[RunData]) -> list[str]:
+    """Why the error table may not compare like with like: a replay that vLLM failed in, or
+    a replay or simulation that stopped at ``limits.max_duration_s``, leaves its unfinished
+    requests out of its figures, and those are the slowest ones (TTFT and E2E read low)."""
+    limit = f"limits.max_duration_s={scenario.limits.max_duration_s:g} s"
+    warnings = []
+    for run, side in [(r, f"the replay {r.path}") for r in reals] + [(sim, "the simulation")]:
+        s = run.summary
+        left_out = (
+            f"; {s['num_unfinished']:,} of its {s['num_requests']:,} requests were unfinished, "
+            "and its figures leave them out (the slowest ones)"
+            if s["num_unfinished"]
+            else ""
+        )
+        if not s.get("complete", True):
+            warnings.append(
+                f"{side} is incomplete: vLLM failed mid-run ({s.get('error')}){left_out}"
+            )
+        elif s.get("truncated_at_limit"):
+            warnings.append(
+                f"{side} stopped at {limit} before its workload ended{left_out}; raise "
+                "limits.max_duration_s, or shorten the workload, to compare whole runs"
+            )
+    return warnings
 
 
 def write_report(report: ValidationReport, path: Path) -> None:

@@ -3,8 +3,9 @@
 For a ``kvsim sweep`` folder (``kvsim sweep ... --out <runs dir>/sweeps/NAME``): the results
 table with each point's SLO verdict; a heatmap of any metric over two grid knobs (the other
 knobs fixed at chosen values, or averaged; a line chart when the sweep has one knob); the
-Pareto fronts of output throughput vs p99 TTFT and vs p99 ITL among the points that ran and
-met every SLO; and the chosen config (the best such point by an objective) with a button
+Pareto fronts of output throughput vs p99 TTFT and vs p99 ITL among the points that ran,
+finished every request and met every SLO; and the chosen config (the best such point by an
+objective) with a button
 that opens its run in the run explorer, its ``vllm serve`` line and its vllm-yaml file.
 Any other ``sweep.json`` is shown as written. The page only appears in the navigation once
 such a folder exists.
@@ -75,7 +76,9 @@ def _heatmap(table: pd.DataFrame, knobs: list[str]) -> None:
     st.plotly_chart(sweep_charts.heatmap_figure(hm, label), key="sw-heatmap")
     st.caption(
         f"{label} by `{x}` and `{y}`; {how}. A `failed` cell did not run (its error is in the "
-        "table), `FAIL` marks a missed SLO, a blank cell has no point."
+        "table), `FAIL` marks a missed SLO, `UNFINISHED` a run that hit "
+        "`limits.max_duration_s` with requests unfinished (its figures leave them out), a "
+        "blank cell has no point."
     )
 
 
@@ -83,7 +86,7 @@ def _pareto(table: pd.DataFrame) -> None:
     st.subheader("Pareto front")
     shown = table[sweep_data.passing(table)]
     if shown.empty:
-        st.info("No point ran and met every SLO: there is no front to show.")
+        st.info("No point ran, finished every request and met every SLO: there is no front.")
         return
     cols = st.columns(2)
     for col, (latency, label) in zip(
@@ -93,7 +96,10 @@ def _pareto(table: pd.DataFrame) -> None:
         fig = sweep_charts.pareto_figure(shown, latency, label, front)
         col.plotly_chart(fig, key=f"sw-pareto-{latency}")
         col.caption(f"Throughput vs {label}: front {', '.join(front)}.")
-    st.caption("Only the points that ran and met every SLO (or whose scenario sets none).")
+    st.caption(
+        "Only the points that ran, finished every request and met every SLO (or whose "
+        "scenario sets none)."
+    )
 
 
 def _chosen(table: pd.DataFrame, knobs: list[str]) -> None:
@@ -104,11 +110,13 @@ def _chosen(table: pd.DataFrame, knobs: list[str]) -> None:
     objective = st.selectbox("Objective", list(sweep_data.OBJECTIVES), index=0, key="sw-objective")
     best = sweep_data.choose(table, objective)
     if best is None:
-        st.warning("No point ran and met every SLO: there is no config to choose.")
+        st.warning(
+            "No point ran, finished every request and met every SLO: there is no config to choose."
+        )
         return
     st.markdown(
-        f"**{best['point']}** ({objective} among the points that met every SLO): "
-        + ", ".join(f"`{k}={best[k]}`" for k in knobs)
+        f"**{best['point']}** ({objective} among the points that finished every request "
+        "and met every SLO): " + ", ".join(f"`{k}={best[k]}`" for k in knobs)
     )
     run_dir = Path(str(best["run_dir"]))
     if st.button("Open its run in the run explorer", key="sw-open"):

@@ -304,6 +304,22 @@ def test_verdicts_passing_pareto_choose() -> None:
     assert sweep_data.passing(no_slos).sum() == 7
 
 
+def test_a_point_that_left_requests_unfinished_is_never_chosen() -> None:
+    # p7 is the best point on every axis, but its run hit the time limit with a request left.
+    t = _table().assign(num_requests=10, num_finished=[10] * 7 + [9])
+    assert list(sweep_data.verdicts(t)) == ["PASS"] * 5 + ["failed", "FAIL", "UNFINISHED"]
+    assert list(t["point"][sweep_data.passing(t)]) == ["p0", "p1", "p2", "p3", "p4"]
+    assert sweep_data.pareto(t, "ttft_p99_s") == ["p4"]
+    assert sweep_data.choose(t, "lowest TTFT p99")["point"] == "p4"
+    assert sweep_data.heatmap(t, "a", "b", "goodput_req_s", {"c": "y"}).labels.loc[20, 2] == (
+        "3 UNFINISHED"
+    )
+    mean = sweep_data.heatmap(t, "a", "b", "goodput_req_s", sweep_data.MEAN)
+    assert mean.labels.loc[20, 2] == "2.5 (1 FAIL) (1 UNFINISHED)"
+    # A failed point has no request counts; it stays "failed".
+    assert sweep_data.verdicts(t.assign(num_finished=[10] * 5 + [None, 10, 10]))[5] == "failed"
+
+
 def test_front_keeps_tradeoffs() -> None:
     t = pd.DataFrame(
         {

@@ -78,6 +78,19 @@ def test_every_point_matches_its_own_simulation_and_an_impossible_one_is_recorde
         assert json.loads((Path(row["run_dir"]) / "summary.json").read_text()) == summary
 
 
+def test_the_sweep_says_which_points_hit_the_time_limit(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    code, text = run(*sweep_args(out, "--workers", "1", "--set", "limits.max_duration_s=1"))
+    assert code == 0, text
+    table = pd.read_parquet(out / RESULTS_FILE)
+    ok = table[table["status"] == "ok"]
+    cut = int((ok["num_finished"] < ok["num_requests"]).sum())
+    assert cut > 0
+    assert f"3 of 4 points ran ({cut} hit limits.max_duration_s with requests unfinished" in text
+    code, text = run(*sweep_args(tmp_path / "whole"))
+    assert code == 0 and "hit limits.max_duration_s" not in text
+
+
 def test_a_killed_sweep_resumes_without_running_a_finished_point_again(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-c", "from sim.cli import app; app()", *sweep_args(out)]

@@ -49,6 +49,7 @@ def test_replay_records_what_happened_in_the_simulators_schema(engine: Any, tmp_
     assert summary["source"] == "vllm" and summary["vllm_version"] == "0.32.0"
     assert summary["dtype"] == cpu_replay_dtype()
     assert summary["complete"] is True and len(req) == 9 and req["finish_s"].notna().all()
+    assert summary["truncated_at_limit"] is False and not result.truncated_at_limit
     # Output lengths are pinned, every token has a time, TTFT <= E2E.
     assert (req["token_times_s"].map(len) == req["output_tokens"]).all()
     assert (req["ttft_s"] <= req["e2e_s"]).all() and (req["queue_s"] >= 0).all()
@@ -91,7 +92,23 @@ def test_engine_failure_keeps_the_records_and_marks_the_run_incomplete(
     summary = measured_summary(scenario, result)
     assert summary["complete"] is False and "simulated worker crash" in summary["error"]
     assert len(result.recorder.steps["step"]) == 29
-    # Leave the shared engine clean for other tests.
+    drain(engine, result)
+
+
+def test_a_replay_stops_at_the_time_limit_and_says_so(engine: Any) -> None:
+    scenario = load_scenario(AGENTIC, [*SMALL, "limits.max_duration_s=1.0"])
+    result = replay(scenario, "cpu", "tiny", engine)
+    summary = measured_summary(scenario, result)
+    assert result.error is None and result.truncated_at_limit
+    # As the simulator writes a truncated run: complete (nothing failed), cut at the limit.
+    assert summary["complete"] is True and summary["truncated_at_limit"] is True
+    assert summary["duration_s"] == 1.0 and summary["num_unfinished"] > 0
+    assert max(result.recorder.steps["start_s"]) <= 1.0
+    drain(engine, result)
+
+
+def drain(engine: Any, result: Any) -> None:
+    """Leave the shared engine clean for other tests: abort what the replay left running."""
     for request_id in list(result.recorder.requests):
         engine.abort_request([request_id])
     while engine.has_unfinished_requests():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+from dataclasses import replace
 from pathlib import Path
 
 import pandas as pd
@@ -14,6 +15,7 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.uncertainty import band_rows, run_samples
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
+from validate.commands import _print_run_status
 from validate.replay import ReplayResult
 from validate.runner import build_report, measured_summary, run_sim, worker_env
 
@@ -82,6 +84,44 @@ def test_the_report_says_whether_the_replays_median_lies_in_kvsims_band(tmp_path
     assert build_report(spec, sim, [real], tmp_path / "profile.json").band_records() == []
 
 
+def test_the_report_says_which_side_left_requests_unfinished(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    validated = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
+    spec = load_scenario(validated)
+    whole = fake_replay(spec, tmp_path / "real-1")
+    sim = run_sim(spec, None, tmp_path / "sim")
+    assert build_report(spec, sim, [whole], None).warnings == []
+    # Cut halfway through one request: it and the turns after it are left out.
+    request = whole.requests.iloc[len(whole.requests) // 2]
+    limit = round((request["arrival_s"] + request["finish_s"]) / 2, 3)
+    cut = load_scenario(validated, [f"limits.max_duration_s={limit}"])
+    truncated = fake_replay(cut, tmp_path / "real-2")
+    unfinished = truncated.summary["num_unfinished"]
+    assert truncated.summary["truncated_at_limit"] and unfinished > 0
+    warnings = build_report(cut, sim, [whole, truncated], None).warnings
+    assert len(warnings) == 1
+    assert warnings[0].startswith(
+        f"the replay {truncated.path} stopped at limits.max_duration_s={limit:g} s before its "
+        f"workload ended; {unfinished} of its {truncated.summary['num_requests']} requests were "
+        "unfinished, and its figures leave them out"
+    )
+    # The run's status line says it too (kvsim replay and validate print it).
+    _print_run_status(truncated)
+    assert "TRUNCATED at limits.max_duration_s" in " ".join(capsys.readouterr().out.split())
+    _print_run_status(whole)
+    assert capsys.readouterr().out.rstrip().endswith("complete")
+    # A simulation cut at the limit says so too; a replay vLLM failed in is named as such.
+    short_sim = run_sim(cut, None, tmp_path / "sim-cut")
+    failed = {**whole.summary, "complete": False, "error": "vLLM engine step failed: boom"}
+    warnings = build_report(cut, short_sim, [replace(whole, summary=failed)], None).warnings
+    assert warnings[0] == (
+        f"the replay {whole.path} is incomplete: vLLM failed mid-run (vLLM engine step "
+        "failed: boom)"
+    )
+    assert warnings[1].startswith(f"the simulation stopped at limits.max_duration_s={limit:g} s")
+
+
 class RecordedTables:
     """The tables a replay's recorder hands over, here taken from a simulated run."""
 
@@ -129,6 +169,9 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
     }
     assert {k: measured[k] for k in provenance} == provenance
     assert measured["complete"] is (error is None)
+    assert measured["truncated_at_limit"] is False
+    cut = measured_summary(spec, replace(result, truncated_at_limit=True))
+    assert cut["truncated_at_limit"] is True and cut["complete"] is (error is None)
     assert measured["kv_cache"] == {
         "block_size": spec.engine.block_size,
         "num_gpu_blocks": sim.sizing.num_gpu_blocks,
