@@ -10,6 +10,7 @@ import streamlit as st
 from dashboard.loaders import list_runs
 from dashboard.tables import engine_frame, headline, latency_frame, slo_frame
 from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, TTFT
+from sim.report import truncation_line
 
 MS_FORMAT = st.column_config.NumberColumn(format="%.1f")
 
@@ -28,11 +29,8 @@ def _pct(value: float | None) -> str:
 def show_summary(summary: dict[str, Any], key: str) -> None:
     """Headline metrics, latency table, engine table and SLO verdicts of one run."""
     st.markdown(f"**{headline(summary)}**")
-    if summary.get("truncated_at_limit"):
-        st.warning(
-            f"The run hit its time limit at {summary.get('duration_s', 0):,.0f} s: "
-            f"{summary.get('num_unfinished', 0):,} requests unfinished."
-        )
+    if cut := truncation_line(summary):
+        st.warning(cut[0].upper() + cut[1:] + ".")
     if what_if := summary.get("what_if"):
         st.info(
             "What-if: this run uses memory policies vLLM 0.32 does not run as configured; its "

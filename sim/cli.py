@@ -66,7 +66,7 @@ def run(
     """Simulate a scenario; write its run directory and print the summary."""
     from sim.config.calibration import hardware_warning, load_profile
     from sim.config.sizing import kv_cache_summary
-    from sim.report import band_table, step_time_source, summary_table
+    from sim.report import band_table, step_time_source, summary_table, truncation_line
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
@@ -164,6 +164,8 @@ def run(
             release_claim(out_dir)
         raise
     console.print(summary_table(result.summary))
+    if cut := truncation_line(result.summary):
+        err_console.print(f"[yellow]{cut}[/yellow]", highlight=False)
     per_replica = " per replica" if spec.fleet is not None else ""
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}{per_replica}", highlight=False)
     console.print(step_time_source(result.summary), highlight=False)

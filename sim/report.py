@@ -26,6 +26,36 @@ def _num(value: float | None, fmt: str = ",.1f") -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def truncation_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
+    """What a run cut at ``limits.max_duration_s`` leaves out of its figures, or None for a
+    run that drained its workload: its latencies, throughput and SLO verdicts cover the
+    finished requests only, and those are not the slow ones."""
+    if not summary.get("truncated_at_limit"):
+        return None
+    unfinished, total = summary["num_unfinished"], summary["num_requests"]
+    left_out = (
+        f" with {unfinished:,} of its {total:,} requests unfinished: its latencies, throughput "
+        f"and SLO verdicts cover the {total - unfinished:,} finished ones only, not the slowest"
+        if unfinished
+        else ": what would have arrived after it is not in its figures"
+    )
+    return (
+        f"{subject} hit limits.max_duration_s ({summary['duration_s']:,.6g} s) before its "
+        f"workload ended{left_out}; raise limits.max_duration_s to see the whole workload"
+    )
+
+
+def partial_run_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
+    """Why a run's figures are partial, or None: a replay that vLLM failed in mid-run
+    (``complete: false``), or a run cut at the time limit (:func:`truncation_line`)."""
+    if summary.get("complete", True):
+        return truncation_line(summary, subject)
+    unfinished = summary.get("num_unfinished", 0)
+    return f"{subject} is incomplete: vLLM failed mid-run ({summary.get('error')})" + (
+        f"; its figures leave out its {unfinished:,} unfinished requests" if unfinished else ""
+    )
+
+
 def latency_table(summary: dict[str, Any]) -> Table:
     """p50/p90/p99/mean of TTFT, ITL, E2E and queue time."""
     m = summary["metrics"]

@@ -12,6 +12,7 @@ from rich.table import Table
 
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
+from sim.report import partial_run_line
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
 from validate.engine_args import engine_kwargs, resolve_model_dir
@@ -479,5 +480,8 @@ def compare_cmd(
         raise fail(str(exc)) from None
     rows = compare_summaries(a.summary, b.summary)
     console.print(error_table(rows, f"{run_a} vs {run_b}", a.label, b.label))
+    for run, path in ((a, run_a), (b, run_b)):
+        if note := partial_run_line(run.summary, str(path)):
+            err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
     if out is not None:
         out.write_text(json.dumps(rows_to_records(rows), indent=2) + "\n")

@@ -15,6 +15,7 @@ from typing import Any
 
 from sim.config.calibration import CalibrationProfile, load_profile, shipped_profile
 from sim.cost_model import CostParams
+from sim.report import partial_run_line
 from sim.results import RunData, load_run
 from sim.runner import simulate
 from sim.scenario import Scenario, scenario_to_yaml
@@ -215,7 +216,7 @@ def build_report(
     )
     params = profile.params_for(scenario.engine.max_num_batched_tokens) if profile else CostParams()
     coverage = None
-    warnings: list[str | None] = [*unfinished_warnings(scenario, sim, reals)]
+    warnings: list[str | None] = [*unfinished_warnings(sim, reals)]
     if profile is not None:
         warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
         coverage = profile.coverage(
@@ -238,30 +239,12 @@ def build_report(
     )
 
 
-def unfinished_warnings(scenario: Scenario, sim: RunData, reals: Sequence[RunData]) -> list[str]:
+def unfinished_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:
     """Why the error table may not compare like with like: a replay that vLLM failed in, or
-    a replay or simulation that stopped at ``limits.max_duration_s``, leaves its unfinished
-    requests out of its figures, and those are the slowest ones (TTFT and E2E read low)."""
-    limit = f"limits.max_duration_s={scenario.limits.max_duration_s:g} s"
-    warnings = []
-    for run, side in [(r, f"the replay {r.path}") for r in reals] + [(sim, "the simulation")]:
-        s = run.summary
-        left_out = (
-            f"; {s['num_unfinished']:,} of its {s['num_requests']:,} requests were unfinished, "
-            "and its figures leave them out (the slowest ones)"
-            if s["num_unfinished"]
-            else ""
-        )
-        if not s.get("complete", True):
-            warnings.append(
-                f"{side} is incomplete: vLLM failed mid-run ({s.get('error')}){left_out}"
-            )
-        elif s.get("truncated_at_limit"):
-            warnings.append(
-                f"{side} stopped at {limit} before its workload ended{left_out}; raise "
-                "limits.max_duration_s, or shorten the workload, to compare whole runs"
-            )
-    return warnings
+    a replay or simulation cut at ``limits.max_duration_s``, leaves its unfinished requests
+    out of its figures, and those are the slowest ones (:func:`sim.report.partial_run_line`)."""
+    sides = [(r, f"the replay {r.path}") for r in reals] + [(sim, "the simulation")]
+    return [line for run, side in sides if (line := partial_run_line(run.summary, side))]
 
 
 def write_report(report: ValidationReport, path: Path) -> None:

@@ -5,8 +5,8 @@ table with each point's SLO verdict; a heatmap of any metric over two grid knobs
 knobs fixed at chosen values, or averaged; a line chart when the sweep has one knob); the
 Pareto fronts of output throughput vs p99 TTFT and vs p99 ITL among the points that ran,
 finished every request and met every SLO; and the chosen config (the best such point by an
-objective) with a button
-that opens its run in the run explorer, its ``vllm serve`` line and its vllm-yaml file.
+objective) with a button that opens its run in the run explorer, its ``vllm serve`` line and
+its vllm-yaml file.
 Any other ``sweep.json`` is shown as written. The page only appears in the navigation once
 such a folder exists.
 """

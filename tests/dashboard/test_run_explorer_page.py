@@ -11,7 +11,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from sim.report import truncation_line
 from tests.dashboard.apptest import charts, open_page, start_app, texts, trace_names
+from tests.dashboard.conftest import one_priority_mix_run
 
 
 def test_run_explorer(runs_env: Path) -> None:
@@ -162,6 +164,19 @@ def test_run_explorer_offload_run_shows_the_cpu_store(
     ticks = json.loads(chart.proto.spec)["data"][0]["colorbar"]["ticktext"]
     assert ticks[1] == "stored (prefix copy)"
     assert [t for t in ticks if t.startswith("being loaded: ")]
+
+
+def test_run_explorer_says_what_a_run_cut_at_its_time_limit_leaves_out(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = one_priority_mix_run(tmp_path_factory, "cut-small", ["limits.max_duration_s=20"])
+    summary = json.loads((base / "cut-small" / "summary.json").read_text())
+    assert summary["truncated_at_limit"] and summary["num_unfinished"] > 0
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(base))
+    at = open_page(start_app(), "run_explorer")
+    assert not at.exception, at.exception
+    line = str(truncation_line(summary))
+    assert [w for w in texts(at.warning) if w == line[0].upper() + line[1:] + "."]
 
 
 def test_run_explorer_without_block_map_and_bad_dir(runs_env: Path, tmp_path: Path) -> None:

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from sim.cli import app
 from sim.config.calibration import save_profile
 from sim.cost_model import CostParams
+from sim.report import truncation_line
 from sim.scenario import DEFAULT_SCENARIO
 from tests.profiles import profile_with
 
@@ -358,6 +359,18 @@ def test_contradicting_or_unreachable_trace_rows_are_refused(
 ) -> None:
     output = refused(tmp_path, str(trace_scenario(tmp_path, rows)))
     assert "trace.csv" in output and expected in output
+
+
+def test_a_run_cut_at_its_time_limit_says_what_its_figures_leave_out(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    args = ["run", str(DEFAULT_SCENARIO), "--out", str(out), "--quiet"]
+    code, output = run(*args, "--set", "limits.max_duration_s=60")
+    assert code == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert truncation_line(summary) in output  # after the tables, in yellow on stderr
+    whole = ["run", str(DEFAULT_SCENARIO), "--out", str(tmp_path / "whole"), "--quiet"]
+    code, output = run(*whole, "--set", "workload.sessions=4")
+    assert code == 0 and "hit limits.max_duration_s" not in output
 
 
 def test_run_where_no_request_arrives_in_time_is_refused(tmp_path: Path) -> None:

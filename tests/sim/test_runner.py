@@ -12,6 +12,7 @@ import pytest
 
 from sim.config.calibration import shipped_profile
 from sim.cost_model import CostModel, CostParams
+from sim.report import truncation_line
 from sim.results import load_run, write_run
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
@@ -127,6 +128,18 @@ def test_time_limit_stops_the_run_and_says_so() -> None:
     assert result.summary["duration_s"] == 60
     assert result.summary["num_unfinished"] > 0
     assert result.requests["arrival_s"].max() <= 60
+    unfinished, total = result.summary["num_unfinished"], result.summary["num_requests"]
+    assert truncation_line(result.summary) == (
+        f"the run hit limits.max_duration_s (60 s) before its workload ended with {unfinished:,} "
+        f"of its {total:,} requests unfinished: its latencies, throughput and SLO verdicts "
+        f"cover the {total - unfinished:,} finished ones only, not the slowest; raise "
+        "limits.max_duration_s to see the whole workload"
+    )
+    # Cut with nothing in flight: what would have come after is still left out.
+    idle = {**result.summary, "num_unfinished": 0}
+    assert "workload ended: what would have arrived after it" in str(truncation_line(idle))
+    whole = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=4"]))
+    assert not whole.summary["truncated_at_limit"] and truncation_line(whole.summary) is None
 
 
 def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

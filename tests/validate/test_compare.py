@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
+from sim.report import truncation_line
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
@@ -182,6 +183,20 @@ def test_compare_command_prints_the_table(tmp_path: Path) -> None:
     assert json.loads(out.read_text())[0]["metric"] == "TTFT p50"
     bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nope"), str(run_dir)])
     assert bad.exit_code == 2 and "not a run directory" in bad.output
+
+
+def test_compare_says_when_a_run_was_cut_at_its_time_limit(tmp_path: Path) -> None:
+    whole = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=8"]))
+    cut = simulate(
+        load_scenario(DEFAULT_SCENARIO, ["workload.sessions=8", "limits.max_duration_s=20"])
+    )
+    assert cut.summary["truncated_at_limit"] and cut.summary["num_unfinished"] > 0
+    a, b = cut.write(tmp_path / "cut"), whole.write(tmp_path / "whole")
+    cli = CliRunner().invoke(app, ["compare", str(a), str(b)])
+    assert cli.exit_code == 0, cli.output
+    text = " ".join(cli.output.split())
+    assert truncation_line(cut.summary, str(a)) in text
+    assert f"{b} hit" not in text
 
 
 def test_validate_needs_at_least_one_replay() -> None:

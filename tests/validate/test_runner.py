@@ -10,6 +10,7 @@ import pandas as pd
 import pytest
 
 from sim.config.calibration import save_profile
+from sim.report import truncation_line
 from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.uncertainty import band_rows, run_samples
@@ -100,11 +101,11 @@ def test_the_report_says_which_side_left_requests_unfinished(
     unfinished = truncated.summary["num_unfinished"]
     assert truncated.summary["truncated_at_limit"] and unfinished > 0
     warnings = build_report(cut, sim, [whole, truncated], None).warnings
-    assert len(warnings) == 1
+    assert warnings == [truncation_line(truncated.summary, f"the replay {truncated.path}")]
     assert warnings[0].startswith(
-        f"the replay {truncated.path} stopped at limits.max_duration_s={limit:g} s before its "
-        f"workload ended; {unfinished} of its {truncated.summary['num_requests']} requests were "
-        "unfinished, and its figures leave them out"
+        f"the replay {truncated.path} hit limits.max_duration_s ({limit:g} s) before its "
+        f"workload ended with {unfinished} of its {truncated.summary['num_requests']} requests "
+        "unfinished"
     )
     # The run's status line says it too (kvsim replay and validate print it).
     _print_run_status(truncated)
@@ -119,7 +120,7 @@ def test_the_report_says_which_side_left_requests_unfinished(
         f"the replay {whole.path} is incomplete: vLLM failed mid-run (vLLM engine step "
         "failed: boom)"
     )
-    assert warnings[1].startswith(f"the simulation stopped at limits.max_duration_s={limit:g} s")
+    assert warnings[1].startswith(f"the simulation hit limits.max_duration_s ({limit:g} s)")
 
 
 class RecordedTables:
