@@ -29,8 +29,8 @@ def _pct(value: float | None) -> str:
 def show_summary(summary: dict[str, Any], key: str) -> None:
     """Headline metrics, latency table, engine table and SLO verdicts of one run."""
     st.markdown(f"**{headline(summary)}**")
-    if cut := truncation_line(summary):
-        st.warning(cut[0].upper() + cut[1:] + ".")
+    if cut := truncation_line(summary, "The run"):
+        st.warning(f"{cut}.")
     if what_if := summary.get("what_if"):
         st.info(
             "What-if: this run uses memory policies vLLM 0.32 does not run as configured; its "

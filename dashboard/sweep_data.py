@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pandas as pd
 
+from sim.sweep import unfinished_points
+
 REQUIRED = ("point", "status")
 # The metrics a heatmap can show, with their labels (column: label with unit).
 METRICS: dict[str, str] = {
@@ -77,19 +79,10 @@ def knobs(grid: object, table: pd.DataFrame) -> list[str]:
     return [c for c in columns[:end] if c != "point"]
 
 
-def unfinished(table: pd.DataFrame) -> pd.Series:
-    """True for the ok points whose run left requests unfinished (it hit
-    ``limits.max_duration_s``); False everywhere for a table without the request counts."""
-    ok = table["status"] == "ok"
-    if not {"num_requests", "num_finished"} <= set(table.columns):
-        return ok & False
-    return ok & (table["num_finished"] < table["num_requests"])
-
-
 def passing(table: pd.DataFrame) -> pd.Series:
     """True for the ok points that finished every request and whose SLOs all held (or
     whose scenario sets none)."""
-    ok = (table["status"] == "ok") & ~unfinished(table)
+    ok = (table["status"] == "ok") & ~unfinished_points(table)
     if "slo_pass" not in table.columns:
         return ok
     slo = table["slo_pass"]
@@ -105,7 +98,7 @@ def verdicts(table: pd.DataFrame) -> pd.Series:
         ok = table["status"] == "ok"
         out[ok & table["slo_pass"].isna()] = "no SLOs"
         out[ok & (table["slo_pass"] == False)] = "FAIL"  # noqa: E712
-    out[unfinished(table)] = "UNFINISHED"
+    out[unfinished_points(table)] = "UNFINISHED"
     return out.rename("verdict")
 
 

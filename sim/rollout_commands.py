@@ -150,7 +150,7 @@ def sweep(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a scenario over a grid of overrides in parallel; resumable; one results table."""
-    from sim.sweep import RESULTS_FILE, default_workers, plan_sweep, run_sweep
+    from sim.sweep import RESULTS_FILE, default_workers, plan_sweep, run_sweep, unfinished_points
 
     plan = None
     try:
@@ -197,7 +197,7 @@ def sweep(
     ok = table["status"] == "ok"
     ran, failed = int(ok.sum()), int((table["status"] == "failed").sum())
     pending = len(table) - ran - failed
-    cut = int((ok & (table["num_finished"] < table["num_requests"])).sum()) if ran else 0
+    cut = int(unfinished_points(table).sum())
     console.print(
         f"{ran} of {len(table)} points ran"
         + (

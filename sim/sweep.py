@@ -432,6 +432,16 @@ def point_record(plan: SweepPlan, point: Point) -> dict[str, Any]:
     return row
 
 
+def unfinished_points(table: pd.DataFrame) -> pd.Series:
+    """True for the ok points of a results table whose run hit ``limits.max_duration_s``
+    with requests unfinished (their latencies and SLO verdicts cover the finished ones only);
+    False everywhere for a table without the request counts."""
+    ok = table["status"] == "ok"
+    if not {"num_requests", "num_finished"} <= set(table.columns):
+        return ok & False
+    return ok & (table["num_finished"] < table["num_requests"])
+
+
 def write_results(plan: SweepPlan) -> pd.DataFrame:
     """Build ``results.parquet`` from the points folder (atomically) and return it."""
     table = pd.DataFrame([point_record(plan, p) for p in plan.points])

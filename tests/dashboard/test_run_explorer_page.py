@@ -175,8 +175,7 @@ def test_run_explorer_says_what_a_run_cut_at_its_time_limit_leaves_out(
     monkeypatch.setenv("KVSIM_RUNS_DIR", str(base))
     at = open_page(start_app(), "run_explorer")
     assert not at.exception, at.exception
-    line = str(truncation_line(summary))
-    assert [w for w in texts(at.warning) if w == line[0].upper() + line[1:] + "."]
+    assert f"{truncation_line(summary, 'The run')}." in texts(at.warning)
 
 
 def test_run_explorer_without_block_map_and_bad_dir(runs_env: Path, tmp_path: Path) -> None:
