@@ -245,8 +245,12 @@ def capacity(
         typer.Option(min=1, max=1024, help="With --replicas: try at most this many (64)."),
     ] = None,
 ) -> None:
-    """The heaviest load (agents, or arrival rate) one deployment holds within its SLOs,
-    or with --replicas the fewest replicas (GPUs) that hold the load, per router."""
+    """The heaviest load one deployment holds within its SLOs, or the fewest replicas.
+
+    The load: the scenario's agents (sessions) or its arrival rate.
+
+    With --replicas: the fewest fleet replicas (GPUs) that hold the scenario's load, per router.
+    """
     from sim.capacity import default_knob, find_capacity, knob_for
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario

@@ -306,8 +306,10 @@ def calibrate_cmd(
         ),
     ] = False,
 ) -> None:
-    """Fit the cost model to measured steps (or, with --vidur, to GPU operator tables); write
-    a calibration profile."""
+    """Fit the cost model to measured steps or GPU operator tables; write a profile.
+
+    From `kvsim replay` run directories, or with --vidur from Vidur-format tables.
+    """
     from sim.config.calibration import save_profile
     from sim.config.hardware import resolve_hardware
     from sim.results import check_out_free

@@ -29,8 +29,10 @@ def claims(
     ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
-    """Measure public claims about KV memory policies (waste, agents per GPU, utilization,
-    recompute vs swap) on one agent scenario; write a Markdown report with PNG plots."""
+    """Measure public claims about KV memory policies; write a Markdown report with plots.
+
+    Waste, agents per GPU, utilization, recompute vs swap: on one agent scenario.
+    """
     from sim.claims.render import check_png_export, write_report
     from sim.claims.study import Task, run_study
     from sim.scenario import SCENARIO_DIR
