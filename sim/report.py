@@ -47,10 +47,18 @@ def truncation_line(summary: dict[str, Any], subject: str = "the run") -> str | 
 
 def partial_run_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
     """Why a run's figures are partial, or None: a replay that vLLM failed in mid-run
-    (``complete: false``), or a run cut at the time limit (:func:`truncation_line`)."""
+    (``complete: false``), a run cut at the time limit (:func:`truncation_line`), or a
+    ``vllm bench serve`` result with failed requests."""
+    unfinished = summary.get("num_unfinished", 0)
+    if summary.get("source") == "vllm-bench" and unfinished:
+        total = summary["num_requests"]
+        return (
+            f"{subject} has {unfinished:,} of its {total:,} requests failed in the benchmark "
+            f"client: its latencies, throughput and SLO verdicts cover the "
+            f"{total - unfinished:,} that finished only"
+        )
     if summary.get("complete", True):
         return truncation_line(summary, subject)
-    unfinished = summary.get("num_unfinished", 0)
     return f"{subject} is incomplete: vLLM failed mid-run ({summary.get('error')})" + (
         f"; its figures leave out its {unfinished:,} unfinished requests" if unfinished else ""
     )

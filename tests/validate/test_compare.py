@@ -181,6 +181,11 @@ def test_compare_command_prints_the_table(tmp_path: Path) -> None:
     assert cli.exit_code == 0, cli.output
     assert "TTFT p50" in cli.output and "rel. error" in cli.output
     assert json.loads(out.read_text())[0]["metric"] == "TTFT p50"
+    # The benchmark's failed request is said; the whole simulated run is not flagged.
+    text = " ".join(cli.output.split())
+    assert "1 of its 3 requests failed in the benchmark client" in text
+    assert "cover the 2 that finished only" in text
+    assert "hit limits.max_duration_s" not in text and "is incomplete" not in text
     bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nope"), str(run_dir)])
     assert bad.exit_code == 2 and "not a run directory" in bad.output
 
