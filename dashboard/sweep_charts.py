@@ -5,10 +5,13 @@ from __future__ import annotations
 import pandas as pd
 import plotly.graph_objects as go
 
-from dashboard.sweep_data import THROUGHPUT, Heatmap
+from dashboard.sweep_data import THROUGHPUT, Heatmap, verdicts
 
 FRONT_COLOR = "#d62728"
 OTHER_COLOR = "#9e9e9e"
+LINE_COLOR = "#1f77b4"
+# The verdicts a one-knob line marks on its points, and their colors.
+MARK_COLORS = {"FAIL": "#d62728", "UNFINISHED": "#ff7f0e"}
 
 
 def _axis(values: pd.Index) -> list[str]:
@@ -38,12 +41,19 @@ def heatmap_figure(hm: Heatmap, metric_label: str) -> go.Figure:
 
 
 def line_figure(points: pd.DataFrame, knob: str, metric: str, metric_label: str) -> go.Figure:
-    """One knob's sweep: the metric of its ok points against the knob's values."""
+    """One knob's sweep: the metric of its ok points against the knob's values, a point that
+    missed an SLO or hit its time limit unfinished marked (``FAIL``, ``UNFINISHED``) as on
+    the heatmap."""
     ok = points[points["status"] == "ok"].sort_values(knob)
+    verdict = verdicts(ok)
+    marks = verdict.where(verdict.isin(MARK_COLORS), "")
     fig = go.Figure(
         go.Scatter(
-            x=ok[knob].astype(str), y=ok[metric], mode="lines+markers", text=ok["point"],
-            hovertemplate="%{text}: %{y}<extra></extra>",
+            x=ok[knob].astype(str), y=ok[metric], mode="lines+markers+text",
+            text=marks, textposition="top center", customdata=ok[["point"]].assign(v=verdict),
+            marker={"size": 9, "color": [MARK_COLORS.get(m, LINE_COLOR) for m in marks]},
+            line={"color": LINE_COLOR},
+            hovertemplate="%{customdata[0]}: %{y} (%{customdata[1]})<extra></extra>",
         )
     )  # fmt: skip
     fig.update_layout(height=380, margin={"l": 70, "r": 40, "t": 30, "b": 50})

@@ -53,7 +53,11 @@ def _heatmap(table: pd.DataFrame, knobs: list[str]) -> None:
     label = sweep_data.METRICS[metric]
     if len(knobs) == 1:
         st.plotly_chart(sweep_charts.line_figure(table, knobs[0], metric, label), key="sw-line")
-        st.caption(f"One knob in this sweep (`{knobs[0]}`): a line chart of its ok points.")
+        st.caption(
+            f"One knob in this sweep (`{knobs[0]}`): a line chart of its ok points; `FAIL` marks "
+            "a missed SLO, `UNFINISHED` a run that hit `limits.max_duration_s` with requests "
+            "unfinished (its figures leave them out)."
+        )
         return
     cols = st.columns(3)
     x = cols[0].selectbox("x knob", knobs, index=0, key="sw-x")

@@ -14,7 +14,7 @@ import plotly.io as pio
 import pytest
 from streamlit.testing.v1 import AppTest
 
-from dashboard import sweep_data
+from dashboard import sweep_charts, sweep_data
 from sim.export import serve_command
 from sim.scenario import load_scenario
 from sim.sweep import ERROR_SUFFIX, POINTS_DIR, plan_sweep, run_sweep, write_results
@@ -201,6 +201,23 @@ def test_one_knob_sweep_is_a_line_chart(tmp_path: Path, monkeypatch) -> None:
     assert list(_array(line.y)) == list(table["goodput_req_s"])
     assert any("One knob in this sweep" in c for c in _texts(at.caption))
     assert not at.error
+
+
+def test_one_knob_line_marks_missed_slos_and_unfinished_runs() -> None:
+    t = pd.DataFrame(
+        {
+            "point": ["p0", "p1", "p2", "p3"], "n": [4, 1, 3, 2],
+            "status": ["ok", "ok", "ok", "failed"], "goodput_req_s": [1.0, 2.0, 3.0, None],
+            "slo_pass": [True, False, True, None],  # p2's SLOs hold over its finished requests
+            "num_requests": [10, 10, 10, None], "num_finished": [10, 10, 9, None],
+        }
+    )  # fmt: skip
+    line = sweep_charts.line_figure(t, "n", "goodput_req_s", "goodput (req/s)").data[0]
+    assert list(line.x) == ["1", "3", "4"]  # the failed point has no value to draw
+    assert list(line.text) == ["FAIL", "UNFINISHED", ""]
+    marks = sweep_charts.MARK_COLORS
+    assert list(line.marker.color) == [marks["FAIL"], marks["UNFINISHED"], sweep_charts.LINE_COLOR]
+    assert [row[1] for row in line.customdata] == ["FAIL", "UNFINISHED", "PASS"]
 
 
 def test_all_points_failed_is_one_message(tmp_path: Path, monkeypatch) -> None:
