@@ -16,7 +16,6 @@ whether the replays' median lies in it; writes each report.json under ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import time
@@ -28,6 +27,7 @@ from sim.report import band_table
 from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
 from validate.compare import broken_bounds
+from validate.runner import write_report
 from validate.suite import DEFAULT_ROUNDS, run_suite
 
 
@@ -85,7 +85,7 @@ def main() -> None:
             f"{'broken on ' + ', '.join(broken) if broken else 'held'}",
             highlight=False,
         )
-        (args.out / name / "report.json").write_text(json.dumps(report.to_json(), indent=2) + "\n")
+        write_report(report, args.out / name / "report.json")
 
 
 if __name__ == "__main__":

@@ -40,11 +40,13 @@ class ComparisonRow:
 
     @property
     def relative_error(self) -> float | None:
-        """(value - reference) / reference; None when either is missing or reference is 0."""
+        """(value - reference) / |reference|; None when either is missing, and infinite (of the
+        value's sign) when only the reference is 0: :func:`rows_to_records` writes that as
+        null, with the reason."""
         if self.value is None or self.reference is None:
             return None
         if self.reference == 0:
-            return 0.0 if self.value == 0 else math.inf
+            return 0.0 if self.value == 0 else math.copysign(math.inf, self.value)
         return (self.value - self.reference) / abs(self.reference)
 
     def outside_bound(self, bound: float) -> bool:
@@ -108,16 +110,17 @@ def compare_to_runs(
     value: dict[str, Any], references: Sequence[dict[str, Any]]
 ) -> list[ComparisonRow]:
     """One row per compared metric against the median of several reference runs (the same
-    scenario measured repeatedly); a metric missing from any run is missing."""
+    scenario measured repeatedly); a metric missing from any run is missing, and so is a
+    value that is not finite (a NaN is a statistic without samples, as None is)."""
     if not references:
         raise ValueError("compare_to_runs needs at least one reference run")
     rows = []
     for label, path, unit in HEADLINE_METRICS:
-        runs = [metric_value(r, path) for r in references]
+        runs = [_finite(metric_value(r, path)) for r in references]
         present = tuple(v for v in runs if v is not None)
         reference = statistics.median(present) if len(present) == len(runs) else None
         kept = present if len(references) > 1 and reference is not None else ()
-        rows.append(ComparisonRow(label, unit, metric_value(value, path), reference, kept))
+        rows.append(ComparisonRow(label, unit, _finite(metric_value(value, path)), reference, kept))
     return rows
 
 
@@ -126,15 +129,39 @@ def broken_bounds(rows: Sequence[ComparisonRow], bound: float = BOUND) -> list[s
     return [r.metric for r in rows if r.metric in BOUNDED_METRICS and r.outside_bound(bound)]
 
 
+def _finite(x: float | None) -> float | None:
+    """``x``, or None where it is missing or not finite (JSON has no NaN or infinity)."""
+    return x if x is not None and math.isfinite(x) else None
+
+
+def why_no_relative_error(row: ComparisonRow) -> str | None:
+    """Why ``row`` has no finite relative error to write, or None when it has one."""
+    if row.value is None:
+        return "no value"
+    if row.reference is None:
+        return "no reference"
+    if not (math.isfinite(row.value) and math.isfinite(row.reference)):
+        return "not finite"
+    if row.reference == 0 and row.value != 0:
+        # A count of 0 measured against a few simulated: the record keeps both.
+        return "reference is 0, value is not"
+    if row.relative_error is None or not math.isfinite(row.relative_error):
+        return "not finite"  # overflowed
+    return None
+
+
 def rows_to_records(rows: list[ComparisonRow]) -> list[dict[str, Any]]:
-    """JSON-ready rows (for report.json and the dashboard)."""
+    """JSON-ready rows (for report.json, ``compare --out`` and the dashboard): strict JSON,
+    so a relative error that is not finite (a count of 0 in the reference against a few in
+    the value) is null, and ``relative_error_missing`` says why (None when there is one)."""
     return [
         {
             "metric": r.metric,
             "unit": r.unit,
-            "value": r.value,
-            "reference": r.reference,
-            "relative_error": r.relative_error,
+            "value": _finite(r.value),
+            "reference": _finite(r.reference),
+            "relative_error": _finite(r.relative_error),
+            "relative_error_missing": why_no_relative_error(r),
             "reference_runs": list(r.reference_runs),
         }
         for r in rows

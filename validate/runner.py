@@ -248,4 +248,6 @@ def unfinished_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:
 
 
 def write_report(report: ValidationReport, path: Path) -> None:
-    path.write_text(json.dumps(report.to_json(), indent=2) + "\n")
+    """report.json, as strict JSON: NaN or infinity raises ValueError rather than being written
+    as the bare ``NaN``/``Infinity`` that jq, JavaScript and Go reject."""
+    path.write_text(json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n")

@@ -32,7 +32,62 @@ def test_relative_error_against_the_reference() -> None:
     assert ComparisonRow("x", "s", 0.9, 1.0).relative_error == pytest.approx(-0.1)
     assert ComparisonRow("x", "", 0.0, 0.0).relative_error == 0.0
     assert ComparisonRow("x", "", 3.0, 0.0).relative_error == math.inf
+    assert ComparisonRow("x", "", -3.0, 0.0).relative_error == -math.inf
     assert ComparisonRow("x", "", None, 1.0).relative_error is None
+
+
+def strict_loads(text: str):
+    """json.loads that fails on the NaN/Infinity tokens Python writes and jq rejects."""
+
+    def reject(token: str):
+        raise AssertionError(f"not JSON: {token}")
+
+    return json.loads(text, parse_constant=reject)
+
+
+def test_records_hold_null_for_a_relative_error_that_is_not_finite() -> None:
+    rows = [
+        ComparisonRow("preemptions", "", 3.0, 0.0, (0.0, 0.0, 0.0)),  # vLLM 0, kvsim a few
+        ComparisonRow("preemptions", "", 0.0, 0.0),
+        ComparisonRow("TTFT p50", "s", 1.1, 1.0),
+        ComparisonRow("TTFT p50", "s", None, 1.0),
+        ComparisonRow("TTFT p50", "s", 1.0, None),
+        ComparisonRow("TTFT p50", "s", math.nan, 1.0),
+        ComparisonRow("TTFT p50", "s", 1.0, math.inf),
+    ]
+    records = strict_loads(json.dumps(rows_to_records(rows), allow_nan=False))
+    got = [(r["value"], r["reference"], r["relative_error"]) for r in records]
+    assert got == [
+        (3.0, 0.0, None),  # both values kept: a reader sees 0 against 3
+        (0.0, 0.0, 0.0),
+        (1.1, 1.0, pytest.approx(0.1)),
+        (None, 1.0, None),
+        (1.0, None, None),
+        (None, 1.0, None),
+        (1.0, None, None),
+    ]
+    assert [r["relative_error_missing"] for r in records] == [
+        "reference is 0, value is not",
+        None,
+        None,
+        "no value",
+        "no reference",
+        "not finite",
+        "not finite",
+    ]
+    assert records[0]["reference_runs"] == [0.0, 0.0, 0.0]
+
+
+def test_a_metric_that_is_not_finite_compares_as_missing() -> None:
+    rows = {
+        r.metric: r
+        for r in compare_to_runs(
+            summary_with(math.nan, 2), [summary_with(0.01, 0), summary_with(math.inf, 0)]
+        )
+    }
+    assert rows["TTFT p50"].value is None and rows["TTFT p50"].reference is None
+    assert rows["TTFT p50"].reference_runs == ()
+    assert rows["preemptions"].relative_error == math.inf
 
 
 def test_a_run_compared_with_itself_has_zero_error() -> None:
@@ -133,22 +188,22 @@ def test_step_time_line_lists_every_replay() -> None:
     assert "0.97, 1.10, -" in line and "above 1" in line
 
 
-def write_bench(path: Path) -> Path:
-    path.write_text(
-        json.dumps(
-            {
-                "duration": 10.0,
-                "model_id": "tiny",
-                "start_times": [100.0, 101.0, 102.5],
-                "ttfts": [0.1, 0.2, 0.0],
-                "itls": [[0.01, 0.02], [0.03], []],
-                "latencies": [0.13, 0.23, 0.0],
-                "input_lens": [10, 20, 30],
-                "output_lens": [3, 2, 0],
-                "errors": ["", "", "timeout"],
-            }
-        )
-    )
+BENCH = {
+    "duration": 10.0,
+    "model_id": "tiny",
+    "start_times": [100.0, 101.0, 102.5],
+    "ttfts": [0.1, 0.2, 0.0],
+    "itls": [[0.01, 0.02], [0.03], []],
+    "latencies": [0.13, 0.23, 0.0],
+    "input_lens": [10, 20, 30],
+    "output_lens": [3, 2, 0],
+    "errors": ["", "", "timeout"],
+}
+
+
+def write_bench(path: Path, **fields) -> Path:
+    """A small detailed vllm bench result (the third request failed), ``fields`` replaced."""
+    path.write_text(json.dumps({**BENCH, **fields}))
     return path
 
 
@@ -171,6 +226,63 @@ def test_vllm_bench_import_names_the_missing_field(tmp_path: Path) -> None:
         load_vllm_bench(path)
 
 
+def test_vllm_bench_import_keeps_the_nulls_of_a_failed_request(tmp_path: Path) -> None:
+    # What the client leaves of a request that failed is not read: null (or 0) is fine there.
+    nulls = {
+        "ttfts": [0.1, 0.2, None],
+        "itls": [[0.01, 0.02], [0.03], None],
+        "latencies": [0.13, 0.23, None],
+        "output_lens": [3, 2, None],
+    }
+    run = load_vllm_bench(write_bench(tmp_path / "bench.json", **nulls))
+    whole = load_vllm_bench(write_bench(tmp_path / "whole.json"))
+    assert run.summary == {**whole.summary, "scenario": "bench"}
+    assert run.summary["num_unfinished"] == 1
+    # A success with no itls (one output token) and a null error are read as before.
+    run = load_vllm_bench(
+        write_bench(tmp_path / "b.json", itls=[[0.01, 0.02], None, []], errors=["", None, "x"])
+    )
+    assert run.requests["token_times_s"].iloc[1] == pytest.approx([1.2])
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"errors": ["", ""]}, "field 'errors' has 2 entries, expected 3"),
+        ({"errors": []}, "field 'errors' has 0 entries, expected 3"),
+        ({"errors": ["", 5, ""]}, "field 'errors' entry 1 is 5, expected a string"),
+        ({"ttfts": [None, 0.2, 0.0]}, "field 'ttfts' entry 0 is null, expected a number"),
+        ({"ttfts": [0.1, "0.2", 0.0]}, "field 'ttfts' entry 1 is \"0.2\", expected a number"),
+        ({"ttfts": [0.1, True, 0.0]}, "field 'ttfts' entry 1 is true"),
+        ({"latencies": [math.nan, 0.23, 0.0]}, "field 'latencies' entry 0 is NaN"),
+        ({"start_times": [100.0, 101.0, None]}, "field 'start_times' entry 2 is null"),
+        ({"itls": [0.01, [0.03], []]}, "field 'itls' entry 0 is 0.01, expected a list"),
+        ({"itls": [[0.01, None], [0.03], []]}, "field 'itls' entry 0 item 1 is null"),
+        ({"itls": [[0.01], [0.03], [], []]}, "field 'itls' has 4 entries, expected 3"),
+        ({"input_lens": [10, None, 30]}, "field 'input_lens' entry 1 is null, expected a token"),
+        ({"output_lens": [3, 2.5, 0]}, "field 'output_lens' entry 1 is 2.5, expected a token"),
+        ({"output_lens": [-3, 2, 0]}, "field 'output_lens' entry 0 is -3"),
+        ({"latencies": "fast"}, "field 'latencies' is \"fast\", expected a list"),
+        ({"ttfts": None}, "field 'ttfts' is null, expected a list"),
+        ({"input_lens": [10, 10**400, 30]}, "field 'input_lens' entry 1 is 1000"),
+        ({"errors": {"0": ""}}, 'field \'errors\' is {"0": ""}, expected a list'),
+        ({"duration": "long"}, "field 'duration' is \"long\", expected a number of seconds"),
+    ],
+)
+def test_vllm_bench_import_names_the_bad_entry(tmp_path: Path, fields: dict, message: str) -> None:
+    path = write_bench(tmp_path / "bench.json", **fields)
+    with pytest.raises(ValueError) as info:
+        load_vllm_bench(path)
+    assert str(info.value).startswith(f"{path}: {message}")
+
+
+def test_vllm_bench_import_needs_an_object(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="is a JSON object, not list"):
+        load_vllm_bench(path)
+
+
 def test_compare_command_prints_the_table(tmp_path: Path) -> None:
     result = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=8"]))
     run_dir = result.write(tmp_path / "sim")
@@ -188,6 +300,22 @@ def test_compare_command_prints_the_table(tmp_path: Path) -> None:
     assert "hit limits.max_duration_s" not in text and "is incomplete" not in text
     bad = CliRunner().invoke(app, ["compare", str(tmp_path / "nope"), str(run_dir)])
     assert bad.exit_code == 2 and "not a run directory" in bad.output
+
+
+def test_compare_writes_strict_json_when_the_reference_counts_zero(tmp_path: Path) -> None:
+    result = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=8"]))
+    a, b = result.write(tmp_path / "a"), result.write(tmp_path / "b")
+    for run, preemptions in ((a, 3), (b, 0)):  # vLLM measured 0, the simulation a few
+        summary = json.loads((run / "summary.json").read_text())
+        summary["metrics"]["vllm:num_preemptions"]["total"] = preemptions
+        (run / "summary.json").write_text(json.dumps(summary))
+    out = tmp_path / "table.json"
+    cli = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(out)])
+    assert cli.exit_code == 0, cli.output
+    assert "Infinity" not in out.read_text()
+    row = {r["metric"]: r for r in strict_loads(out.read_text())}["preemptions"]
+    assert (row["value"], row["reference"], row["relative_error"]) == (3.0, 0.0, None)
+    assert row["relative_error_missing"] == "reference is 0, value is not"
 
 
 def test_compare_says_when_a_run_was_cut_at_its_time_limit(tmp_path: Path) -> None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ctypes.util
+import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -17,8 +19,16 @@ from sim.uncertainty import band_rows, run_samples
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
 from validate.commands import _print_run_status
+from validate.compare import ComparisonRow
 from validate.replay import ReplayResult
-from validate.runner import build_report, measured_summary, run_sim, worker_env
+from validate.runner import (
+    ValidationReport,
+    build_report,
+    measured_summary,
+    run_sim,
+    worker_env,
+    write_report,
+)
 
 
 def test_cpu_replays_preload_tcmalloc_when_the_machine_has_it(
@@ -183,3 +193,35 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
     assert set(measured) == shared | set(provenance) | {"complete", "kv_cache"}
     assert {k: measured[k] for k in shared} == {k: sim.summary[k] for k in shared}
     assert sim.summary["num_requests"] == 6
+
+
+def test_report_json_is_strict_json_when_vllm_counted_no_preemptions(tmp_path: Path) -> None:
+    report = ValidationReport(
+        scenario="s",
+        sim_run="sim",
+        real_runs=["real-1", "real-2", "real-3"],
+        vllm_version="0.32.0",
+        calibration=None,
+        rows=[
+            ComparisonRow("TTFT p50", "s", 0.011, 0.010, (0.009, 0.010, 0.012)),
+            ComparisonRow("preemptions", "", 4.0, 0.0, (0.0, 0.0, 0.0)),
+        ],
+        step_time_ratios=[1.0, None, 0.98],
+        warnings=[],
+    )
+    path = tmp_path / "report.json"
+    write_report(report, path)
+
+    def reject(token: str):
+        raise AssertionError(f"report.json holds {token}, which is not JSON")
+
+    rows = {r["metric"]: r for r in json.loads(path.read_text(), parse_constant=reject)["metrics"]}
+    assert rows["TTFT p50"]["relative_error"] == pytest.approx(0.1)
+    assert rows["TTFT p50"]["relative_error_missing"] is None
+    preemptions = rows["preemptions"]
+    assert (preemptions["value"], preemptions["reference"]) == (4.0, 0.0)
+    assert preemptions["relative_error"] is None
+    assert preemptions["relative_error_missing"] == "reference is 0, value is not"
+    # Anything else that is not finite fails loudly rather than writing invalid JSON.
+    with pytest.raises(ValueError, match="not JSON compliant"):
+        write_report(replace(report, step_time_ratios=[math.nan]), path)
