@@ -10,7 +10,7 @@ import streamlit as st
 from dashboard.loaders import list_runs
 from dashboard.tables import engine_frame, headline, latency_frame, slo_frame
 from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, TTFT
-from sim.report import truncation_line
+from sim.report import partial_run_line, skipped_rows_line, what_if_lines
 
 MS_FORMAT = st.column_config.NumberColumn(format="%.1f")
 
@@ -29,12 +29,13 @@ def _pct(value: float | None) -> str:
 def show_summary(summary: dict[str, Any], key: str) -> None:
     """Headline metrics, latency table, engine table and SLO verdicts of one run."""
     st.markdown(f"**{headline(summary)}**")
-    if cut := truncation_line(summary, "The run"):
-        st.warning(f"{cut}.")
-    if what_if := summary.get("what_if"):
+    for partial in (partial_run_line(summary, "The run"), skipped_rows_line(summary, "The run")):
+        if partial:
+            st.warning(f"{partial}.")
+    if what_if := what_if_lines(summary):
         st.info(
-            "What-if: this run uses memory policies vLLM 0.32 does not run as configured; its "
-            "results come from kvsim's model of them, not from vLLM's scheduler.\n\n"
+            "What-if: this run models what vLLM 0.32 does not run as configured; those parts "
+            "of its results come from kvsim's model, not from vLLM's scheduler.\n\n"
             + "\n".join(f"- {line}" for line in what_if)
         )
     m = summary.get("metrics", {})

@@ -66,7 +66,14 @@ def run(
     """Simulate a scenario; write its run directory and print the summary."""
     from sim.config.calibration import hardware_warning, load_profile
     from sim.config.sizing import kv_cache_summary
-    from sim.report import band_table, step_time_source, summary_table, truncation_line
+    from sim.report import (
+        band_table,
+        skipped_rows_line,
+        step_time_source,
+        summary_table,
+        truncation_line,
+        what_if_line,
+    )
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
     from sim.runner import simulate
     from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
@@ -164,8 +171,11 @@ def run(
             release_claim(out_dir)
         raise
     console.print(summary_table(result.summary))
-    if cut := truncation_line(result.summary):
-        err_console.print(f"[yellow]{cut}[/yellow]", highlight=False)
+    for partial in (truncation_line(result.summary), skipped_rows_line(result.summary)):
+        if partial:
+            err_console.print(f"[yellow]{partial}[/yellow]", highlight=False)
+    if what_if := what_if_line(result.summary):
+        err_console.print(f"[cyan]{what_if}[/cyan]", highlight=False)
     per_replica = " per replica" if spec.fleet is not None else ""
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}{per_replica}", highlight=False)
     console.print(step_time_source(result.summary), highlight=False)

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Group
 from rich.table import Table
 
+from sim.fleet.config import fleet_what_if
 from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
 
 if TYPE_CHECKING:
@@ -43,6 +44,40 @@ def truncation_line(summary: dict[str, Any], subject: str = "the run") -> str | 
         f"{subject} hit limits.max_duration_s ({summary['duration_s']:,.6g} s) before its "
         f"workload ended{left_out}; raise limits.max_duration_s to see the whole workload"
     )
+
+
+def skipped_rows_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
+    """What a trace replay with ``on_too_long: skip`` left out, or None when it dropped no
+    row: the longest prompts, so its latencies read better than the whole trace's."""
+    skipped = summary.get("trace_rows_skipped")
+    if not skipped:
+        return None
+    total = summary["num_requests"] + skipped
+    return (
+        f"{subject} skipped {skipped:,} of its trace's {total:,} rows, longer than "
+        f"max_model_len (workload.on_too_long: skip): its figures leave out the longest prompts"
+    )
+
+
+def what_if_lines(summary: dict[str, Any]) -> list[str]:
+    """What a run modelled that vLLM 0.32 does not run as configured, one line each: the
+    memory policies under ``what_if`` and a fleet's router (``fleet``); empty for a run of
+    the vLLM-exact engine (a replay on vLLM has neither)."""
+    lines = [str(line) for line in summary.get("what_if") or []]
+    fleet = summary.get("fleet")
+    if isinstance(fleet, dict) and "replicas" in fleet:
+        router = fleet.get("router")
+        kind = router.get("kind", "?") if isinstance(router, dict) else "?"
+        lines.append(fleet_what_if(int(fleet["replicas"]), str(kind)))
+    return lines
+
+
+def what_if_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
+    """One line saying a run is a what-if and of what, or None for the vLLM-exact engine."""
+    lines = what_if_lines(summary)
+    if not lines:
+        return None
+    return f"{subject} is a what-if, not vLLM 0.32's own behaviour: " + "; ".join(lines)
 
 
 def partial_run_line(summary: dict[str, Any], subject: str = "the run") -> str | None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -45,6 +46,13 @@ ExportFormatOption = Annotated[
 ExportOutOption = Annotated[Path | None, typer.Option(help="Where --export-format writes.")]
 
 
+# The what-if line of `kvsim capacity --replicas`.
+SEARCHED_FLEETS = (
+    "fleets of replicas behind a simulated router (vLLM 0.32 serves one engine; the routing "
+    "is kvsim's model)"
+)
+
+
 def check_export_options(
     export_format: str | None, export_out: Path | None, spec: Scenario | None = None
 ) -> None:
@@ -64,6 +72,16 @@ def check_export_options(
     if export_format is not None and spec is not None:
         engine_args(spec)
         served_model(spec)
+
+
+def with_engine(spec: Scenario, engine: dict[str, Any], label: str | None = None) -> Scenario:
+    """``spec`` with these engine fields (a tuned config, a policy reset), checked again."""
+    from sim.scenario import parse_scenario
+
+    document = spec.model_dump(mode="json")
+    return parse_scenario(
+        {**document, "engine": {**document["engine"], **engine}}, label or spec.name
+    )
 
 
 def check_parent(path: Path | None, option: str) -> None:
@@ -294,9 +312,22 @@ def capacity(
         raise fail(str(exc)) from None
     if the_knob is None:
         _print_replicas(spec, results)
+        # Every point of the search is a fleet behind a router that is kvsim's model.
+        what_if = [*spec.engine.what_if_policies(), SEARCHED_FLEETS]
     else:
         _print_capacity(spec, the_knob, result)
-    document = {"scenario": spec.name, "slos": spec.slos.model_dump(), **document}
+        what_if = spec.what_ifs()
+    if what_if:
+        err_console.print(
+            f"[cyan]a what-if, not vLLM 0.32's own behaviour: {'; '.join(what_if)}[/cyan]",
+            highlight=False,
+        )
+    document = {
+        "scenario": spec.name,
+        "slos": spec.slos.model_dump(),
+        "what_if": what_if,
+        **document,
+    }
     _write_results(out, document, spec, export_format, export_out)
 
 
@@ -440,8 +471,8 @@ def tune_cmd(
     """Search vLLM's engine knobs (Optuna) for the best config under the SLOs."""
     from sim.export import export
     from sim.runner import simulate
-    from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario, parse_scenario
-    from sim.tune import OBJECTIVES, overrides, trial_engine, tune
+    from sim.scenario import DEFAULT_SCENARIO, check_runnable, load_scenario
+    from sim.tune import OBJECTIVES, POLICY_RESET, overrides, trial_engine, tune
 
     source = scenario or DEFAULT_SCENARIO
     try:
@@ -472,7 +503,10 @@ def tune_cmd(
             )
         spec = load_scenario(source, [*(set_ or []), *(f"slos.{b}" for b in slo or [])])
         check_runnable(spec, str(source))
-        check_export_options(export_format, export_out, spec)
+        # With the policy searched, a trial's own replaces the scenario's: what is checked
+        # for export is the scenario's engine with it reset (every policy offered exports).
+        exported = spec if memory_policies is None else with_engine(spec, POLICY_RESET)
+        check_export_options(export_format, export_out, exported)
 
         def progress(trial: object) -> None:
             t = trial  # a sim.tune.Trial
@@ -503,6 +537,12 @@ def tune_cmd(
         highlight=False,
     )
     best = result.best
+    base_engine = spec.engine.model_dump(mode="json")
+    best_spec = (
+        None
+        if best is None
+        else with_engine(spec, trial_engine(base_engine, best), f"{spec.name} (tuned)")
+    )
     try:
         if out is not None:  # every trial, also when none was feasible
             out.mkdir(parents=True)
@@ -512,6 +552,9 @@ def tune_cmd(
                 "direction": result.direction,
                 "slos": spec.slos.model_dump(),
                 "simulations": result.simulations,
+                # What the scenario and the best config model that vLLM 0.32 does not run.
+                "what_if": spec.what_ifs(),
+                "best_what_if": None if best_spec is None else best_spec.what_ifs(),
                 "best": None if best is None else best.__dict__,
                 "pareto": [t.number for t in result.pareto],
                 "trials": [t.__dict__ for t in result.trials],
@@ -522,14 +565,20 @@ def tune_cmd(
         raise fail(f"the search finished, but tune.json could not be written: {exc}") from None
     if best is None:
         raise fail("no trial met every SLO with every request finished; relax --slo or the load")
-    base_engine = spec.engine.model_dump(mode="json")
+    assert best_spec is not None
     policy = "" if best.policy is None else f" (memory policy: {best.policy})"
     which = f" ({best.baseline})" if best.baseline else ""
     console.print(
         f"best: trial {best.number}{which}, {objective} = {best.objective:.4g}{policy}; "
-        + " ".join(f"--set {o}" for o in overrides(base_engine, best)),
+        + " ".join(f"--set {shlex.quote(o)}" for o in overrides(base_engine, best)),
         highlight=False,
     )
+    if what_if := best_spec.what_ifs():
+        err_console.print(
+            f"[cyan]the best config is a what-if, not vLLM 0.32's own behaviour: "
+            f"{'; '.join(what_if)}[/cyan]",
+            highlight=False,
+        )
     front = Table(title="Pareto front (feasible trials): throughput vs p99 TTFT and ITL")
     for column in ("trial", "tok/s", "TTFT p99 s", "ITL p99 s", objective):
         front.add_column(column, justify="right")
@@ -543,10 +592,6 @@ def tune_cmd(
             f"{t.objective:.4g}",
         )
     console.print(front)
-    best_spec = parse_scenario(
-        {**spec.model_dump(mode="json"), "engine": trial_engine(base_engine, best)},
-        f"{spec.name} (tuned)",
-    )
     if export_format is not None and export_out is not None:
         try:
             for file in export(best_spec, export_format, export_out):

@@ -28,7 +28,7 @@ from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
 from sim.config.sizing import KVSizing, size_kv_cache
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
-from sim.fleet.config import FleetConfig
+from sim.fleet.config import FleetConfig, fleet_what_if
 from sim.workload import WorkloadConfig
 from sim.workload.distributions import BurstArrivals, EmpiricalLength
 from sim.workload.trace import TraceWorkload
@@ -85,6 +85,15 @@ class Scenario(KvsimModel):
         None,
         description="Replicas of this engine behind a router (a what-if); none: one engine.",
     )
+
+    def what_ifs(self) -> list[str]:
+        """What a run of this scenario models that vLLM 0.32 does not run as configured, one
+        line each: the engine's what-if memory policies and a fleet's router; empty for the
+        vLLM-exact engine. The outputs of a search over it (capacity, tune) carry them."""
+        lines = self.engine.what_if_policies()
+        if self.fleet is not None:
+            lines.append(fleet_what_if(self.fleet.replicas, self.fleet.router.kind))
+        return lines
 
     @field_validator("model", mode="before")
     @classmethod
@@ -278,9 +287,7 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
             )
         first_arrival_s = min(r.timestamp_s for r in records) * workload.time_scale
         what = f"the trace's first timestamp ({workload.path}, x time_scale={workload.time_scale})"
-        too_long = [
-            r for r in records if r.input_length + r.output_length > scenario.engine.max_model_len
-        ]
+        too_long = workload.too_long(scenario.engine.max_model_len)
         if too_long and workload.on_too_long == "error":
             r = too_long[0]
             raise KvsimConfigError(

@@ -15,6 +15,7 @@ import pandas as pd
 
 from sim.metrics import summarize, swap_summary
 from sim.scenario import Scenario
+from sim.workload.trace import TraceWorkload
 
 
 def build_summary(
@@ -35,6 +36,12 @@ def build_summary(
     null block excluded) is what KV usage is a share of.
     """
     num_finished = int(requests["finish_s"].notna().sum())
+    workload = scenario.workload
+    skipped = (
+        workload.num_skipped(scenario.engine.max_model_len)
+        if isinstance(workload, TraceWorkload)
+        else 0
+    )
     # Only what-if runs carry the key, so the vLLM-exact engine's summaries stay as they were.
     what_if = scenario.engine.what_if_policies()
     return {
@@ -49,6 +56,8 @@ def build_summary(
         "num_requests": len(requests),
         "num_finished": num_finished,
         "num_unfinished": len(requests) - num_finished,
+        # Trace rows dropped as longer than max_model_len (only a trace with some skipped).
+        **({"trace_rows_skipped": skipped} if skipped else {}),
         "kv_cache": dict(kv_cache),
         **summarize(
             requests,

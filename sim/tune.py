@@ -7,7 +7,8 @@ whose model does not fit is not simulated (Optuna is told the trial failed). Obj
 
 - ``goodput``: requests per second that meet every SLO, at the scenario's load;
 - ``cost-per-million-tokens``: GPU-hours (times ``gpu_hour_usd``) per million output
-  tokens at the scenario's load, lower is better;
+  tokens at the scenario's load, lower is better (a fleet's GPUs are its replicas times
+  the tensor-parallel degree: its throughput is the whole fleet's);
 - ``max-sessions``: the capacity (:mod:`sim.capacity`) of the config: the heaviest load it
   holds; one trial costs a whole capacity search.
 
@@ -372,8 +373,7 @@ def _evaluate(
     if objective == "goodput":
         return float(trial.metrics["goodput_req_s"] or 0.0), feasible
     throughput = trial.metrics["output_throughput_tok_s"] or 0.0
-    gpu_hours_per_million = (
-        spec.engine.tensor_parallel_size / (throughput * 3600) * 1e6 if throughput else 1e12
-    )
+    gpus = spec.engine.tensor_parallel_size * (spec.fleet.replicas if spec.fleet else 1)
+    gpu_hours_per_million = gpus / (throughput * 3600) * 1e6 if throughput else 1e12
     trial.metrics["cost_per_million_tokens"] = gpu_hours_per_million * gpu_hour_usd
     return trial.metrics["cost_per_million_tokens"], feasible

@@ -24,6 +24,7 @@ with st.spinner("Loading..."):
     from dashboard.loaders import RunView, list_runs, load_view
     from dashboard.locations import runs_dir
     from dashboard.tables import comparison_frame
+    from sim.report import partial_run_line, skipped_rows_line, what_if_line
     from validate.compare import compare_summaries
 
 base = runs_dir()
@@ -74,6 +75,15 @@ with guard("comparing " + ", ".join(str(Path(v.path).name) for v in views)):
         "(value - reference) / |reference|."
         + (" Further runs appear in the charts only." if len(views) > 2 else "")
     )
+    for v, label in zip(views, labels, strict=True):
+        for partial in (
+            partial_run_line(v.summary, f"**{label}**"),
+            skipped_rows_line(v.summary, f"**{label}**"),
+        ):
+            if partial:
+                st.warning(f"{partial}.")
+        if what_if := what_if_line(v.summary, f"**{label}**"):
+            st.info(f"{what_if}.")
     table = comparison_frame(compare_summaries(value.summary, reference.summary))
     st.dataframe(
         table,

@@ -172,6 +172,15 @@ ROUTER_KINDS: tuple[str, ...] = tuple(
 )
 
 
+def fleet_what_if(replicas: int, router: str) -> str:
+    """The what-if line of a fleet, for the outputs: vLLM serves one engine, and the router
+    that spreads the traffic over the replicas is kvsim's model of one."""
+    return (
+        f"fleet of {replicas} replica{'s' if replicas != 1 else ''} behind a simulated "
+        f"{router} router (vLLM 0.32 serves one engine; the routing is kvsim's model)"
+    )
+
+
 def router_section(current: dict[str, Any], kind: str) -> dict[str, Any]:
     """A ``fleet.router`` section (as in a scenario document) for router ``kind``: ``current``
     itself when it is of that kind, else ``kind`` with its defaults, seeing the replicas as

@@ -322,14 +322,23 @@ class TraceWorkload(KvsimModel):
             records = [r for r in records if r.timestamp_s * self.time_scale < self.until_s]
         return records
 
+    def too_long(self, max_model_len: int) -> list[TraceRecord]:
+        """The replayed rows whose input + output exceed ``max_model_len`` (an error, or
+        dropped with ``on_too_long: skip``)."""
+        return [r for r in self.replayed() if r.input_length + r.output_length > max_model_len]
+
+    def num_skipped(self, max_model_len: int) -> int:
+        """How many replayed rows a run drops as too long (0 unless ``on_too_long: skip``)."""
+        return len(self.too_long(max_model_len)) if self.on_too_long == "skip" else 0
+
     def expected_num_requests(self) -> int | None:
-        """The number of rows replayed (rows skipped as too long are still counted)."""
-        return len(self.replayed())
+        """The number of rows replayed, less those a started run dropped as too long."""
+        return len(self.replayed()) - (stashed(self, "_num_skipped") or 0)
 
     def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
         """Read the trace and spawn one process that submits its rows in timestamp order."""
         records = self.replayed()
-        too_long = [r for r in records if r.input_length + r.output_length > sink.max_model_len]
+        too_long = self.too_long(sink.max_model_len)
         if too_long and self.on_too_long == "error":
             r = too_long[0]
             raise KvsimConfigError(
@@ -339,6 +348,7 @@ class TraceWorkload(KvsimModel):
             )
         if too_long:
             records = [r for r in records if r.input_length + r.output_length <= sink.max_model_len]
+        stash(self, "_num_skipped", len(too_long))
         seed_rng, token_rng = rng.spawn(2)
         blocks = HashIdTokens(
             int(seed_rng.integers(2**63)), self.hash_block_tokens, self.vocab_size

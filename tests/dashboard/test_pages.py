@@ -198,6 +198,31 @@ def test_compare_a_fleet_run_with_one_engine(
         "requests their sum" in c
         for c in texts(at.caption)
     )
+    # The fleet is a what-if (its router is kvsim's); the one engine is not.
+    assert texts(at.info) == [
+        "**sim:fleet-small** is a what-if, not vLLM 0.32's own behaviour: fleet of 2 replicas "
+        "behind a simulated round_robin router (vLLM 0.32 serves one engine; the routing is "
+        "kvsim's model)."
+    ]
+
+
+def test_compare_says_which_runs_are_what_ifs_and_which_were_cut(
+    small_runs: Path, swap_run: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cut = tmp_path / "cut"
+    shutil.copytree(small_runs / "priority-small", cut)
+    summary = json.loads((cut / "summary.json").read_text())
+    summary.update(truncated_at_limit=True, num_unfinished=3)
+    (cut / "summary.json").write_text(json.dumps(summary))
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(swap_run))
+    at = open_page(start_app(), "compare")
+    at.multiselect(key="cmp-runs").set_value([swap_run / "swap-small"]).run()
+    at.text_input(key="cmp-paths").set_value(str(cut)).run()
+    assert not at.exception, at.exception
+    (info,) = texts(at.info)
+    assert info.startswith("**sim:swap-small** is a what-if, not vLLM 0.32's own behaviour: swap")
+    (warning,) = texts(at.warning)
+    assert warning.startswith("**sim:cut** hit limits.max_duration_s") and "3 of its" in warning
 
 
 def test_compare_needs_two_runs(runs_env: Path) -> None:

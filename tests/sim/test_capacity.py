@@ -111,6 +111,22 @@ def test_cli_finds_the_capacity_and_writes_the_curve(tmp_path: Path) -> None:
     assert curve[capacity]["holds"] and not curve[failing]["holds"]
     assert curve[capacity]["ttft_p99_s"] <= 0.25 < curve[failing]["ttft_p99_s"]
     assert f"capacity: {capacity:g} concurrent sessions" in " ".join(result.output.split())
+    assert document["what_if"] == [] and "what-if" not in result.output
+
+
+def test_a_capacity_under_a_what_if_policy_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "cap"
+    result = runner.invoke(
+        app,
+        ["capacity", str(BURST), "--set", "workload.sessions=4", "--set", "workload.turns.value=2",
+         "--set", "engine.kv_retention.policy=tool_latency", "--slo", "ttft_p99_s=0.25",
+         "--out", str(out)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    (line,) = json.loads((out / "capacity.json").read_text())["what_if"]
+    assert line.startswith("kv_retention: tool_latency")
+    text = " ".join(result.output.split())
+    assert "a what-if, not vLLM 0.32's own behaviour: kv_retention: tool_latency" in text
 
 
 def test_cli_exports_the_deployment_it_sized(tmp_path: Path) -> None:

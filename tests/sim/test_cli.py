@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from sim.cli import app
 from sim.config.calibration import save_profile
 from sim.cost_model import CostParams
-from sim.report import truncation_line
+from sim.report import skipped_rows_line, truncation_line, what_if_line
 from sim.scenario import DEFAULT_SCENARIO
 from tests.profiles import profile_with
 
@@ -486,3 +486,41 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_never_listed(tmp_path: Path) 
     assert code == 0, output
     assert sorted(p.name for p in runs.iterdir()) == ["tiny-2"]
     assert list_runs(runs) == [runs / "tiny-2"]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["engine.kv_retention.policy=tool_latency"], "kv_retention: tool_latency"),
+        (["fleet.replicas=2"], "fleet of 2 replicas behind a simulated round_robin router"),
+    ],
+)
+def test_a_what_if_run_says_so_after_its_tables(
+    tmp_path: Path, overrides: list[str], expected: str
+) -> None:
+    out = tmp_path / "run"
+    args = ["run", str(DEFAULT_SCENARIO), "--out", str(out), "--quiet"]
+    sets = [a for o in ["workload.sessions=4", *overrides] for a in ("--set", o)]
+    code, output = run(*args, *sets)
+    assert code == 0, output
+    assert what_if_line(json.loads((out / "summary.json").read_text())) in output
+    assert "the run is a what-if, not vLLM 0.32's own behaviour" in output and expected in output
+    plain = ["run", str(DEFAULT_SCENARIO), "--out", str(tmp_path / "plain"), "--quiet"]
+    code, output = run(*plain, "--set", "workload.sessions=4")
+    assert code == 0 and "what-if" not in output
+
+
+def test_trace_rows_skipped_as_too_long_are_counted_and_said(tmp_path: Path) -> None:
+    path = trace_scenario(tmp_path, TRACE_ROWS + "0.7,5000,4\n")
+    out = tmp_path / "run"
+    code, output = run(
+        "run", str(path), "--set", "workload.on_too_long=skip", "--out", str(out), "--quiet"
+    )
+    assert code == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_requests"] == 2 and summary["trace_rows_skipped"] == 1
+    assert skipped_rows_line(summary) in output
+    assert "skipped 1 of its trace's 3 rows, longer than max_model_len" in output
+    whole = trace_scenario(tmp_path, TRACE_ROWS)
+    code, output = run("run", str(whole), "--out", str(tmp_path / "whole"), "--quiet")
+    assert code == 0 and "rows, longer than max_model_len" not in output

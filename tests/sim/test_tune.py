@@ -175,6 +175,20 @@ def test_configs_vllm_refuses_or_that_do_not_fit_are_not_simulated() -> None:
     )
 
 
+def test_the_cost_of_a_fleet_counts_every_replicas_gpus() -> None:
+    """The fleet's throughput is all its replicas' together: 3 replicas of TP t cost 3t
+    GPU-hours an hour, against the same throughput."""
+    sets = ["workload.sessions=4", "slos.ttft_p99_s=1"]
+    one = tune(load_scenario(FLEET, sets), "cost-per-million-tokens", 3, fake_summary)
+    fleet = tune(
+        load_scenario(FLEET, [*sets, "fleet.replicas=3"]), "cost-per-million-tokens", 3,
+        fake_summary,
+    )  # fmt: skip
+    assert [t.params for t in fleet.trials] == [t.params for t in one.trials]  # seeded alike
+    pairs = [(a, b) for a, b in zip(one.trials, fleet.trials, strict=True) if a.state == "ok"]
+    assert pairs and all(b.objective == pytest.approx(3 * a.objective) for a, b in pairs)
+
+
 def trial(n: int, tps: float, ttft: float, itl: float) -> Trial:
     metrics = {"output_throughput_tok_s": tps, "ttft_p99_s": ttft, "itl_p99_s": itl}
     return Trial(n, {}, "ok", tps, metrics=metrics)
@@ -311,3 +325,24 @@ def test_cli_memory_policies(tmp_path: Path) -> None:
     trials = json.loads((out / "tune.json").read_text())["trials"]
     assert all(t["policy"] in ("vllm", "offload") for t in trials)
     assert "(memory policy: " in result.output
+
+
+def test_cli_a_what_if_scenario_tuned_over_exportable_policies(tmp_path: Path) -> None:
+    """The scenario's retention is replaced by each trial's policy, so the best config
+    exports; tune.json and the output say which is a what-if; the best line pastes into a
+    shell (a policy reset is JSON, quoted)."""
+    out, serve = tmp_path / "tune", tmp_path / "serve.sh"
+    args = ["tune", str(BURST), "--budget", "2", "--slo", "ttft_p99_s=30", "--out", str(out)]
+    args += ["--memory-policies", "exportable", "--export-format", "vllm-args"]
+    args += ["--export-out", str(serve), "--set", "engine.kv_retention.policy=tool_latency"]
+    for assignment in SMALL:
+        args += ["--set", assignment]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    document = json.loads((out / "tune.json").read_text())
+    (own,) = document["what_if"]
+    assert own.startswith("kv_retention: tool_latency")
+    assert not any("retention" in line for line in document["best_what_if"])
+    assert "vllm serve" in serve.read_text()
+    text = " ".join(result.output.split())
+    assert """--set 'engine.kv_retention={"policy": "none"}'""" in text

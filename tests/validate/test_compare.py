@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
-from sim.report import truncation_line
+from sim.report import truncation_line, what_if_line
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
@@ -337,3 +337,17 @@ def test_validate_needs_at_least_one_replay() -> None:
     result = CliRunner().invoke(app, ["validate", str(scenario), "--repeats", "0"])
     assert result.exit_code == 2
     assert "repeats" in result.output
+
+
+def test_compare_says_which_run_is_a_what_if(tmp_path: Path) -> None:
+    sets = ["workload.sessions=8"]
+    plain = simulate(load_scenario(DEFAULT_SCENARIO, sets))
+    what_if = simulate(
+        load_scenario(DEFAULT_SCENARIO, [*sets, "engine.kv_retention.policy=tool_latency"])
+    )
+    a, b = what_if.write(tmp_path / "ret"), plain.write(tmp_path / "plain")
+    cli = CliRunner().invoke(app, ["compare", str(a), str(b)])
+    assert cli.exit_code == 0, cli.output
+    text = " ".join(cli.output.split())
+    assert what_if_line(what_if.summary, str(a)) in text
+    assert text.count("is a what-if") == 1  # the vLLM-exact run is not one
