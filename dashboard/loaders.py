@@ -42,7 +42,7 @@ from dashboard.data import (
     take_token_times,
 )
 from sim.report import format_value
-from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir
+from sim.results import REQUESTS, SCENARIO, STEPS, SUMMARY, check_run_dir, check_summary
 from sim.results import list_runs as complete_runs
 from sim.uncertainty import SAMPLES
 
@@ -125,8 +125,10 @@ def _read_files(path: Path) -> tuple[dict[str, Any], pa.Table, pd.DataFrame, str
             raise ValueError(f"the {REPLICA} column must hold integers")
     except (OSError, ValueError) as exc:  # pyarrow's errors derive from these
         raise ValueError(f"{path}: cannot read run files: {exc}") from None
-    if not isinstance(summary, dict):
-        raise ValueError(f"{path}: cannot read run files: summary.json is not a JSON object")
+    try:
+        check_summary(summary)
+    except ValueError as exc:
+        raise ValueError(f"{path}: cannot read run files: {exc}") from None
     scenario_yaml = (path / SCENARIO).read_text() if (path / SCENARIO).is_file() else ""
     return summary, requests, steps, scenario_yaml
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pandas as pd
 
-from sim.errors import KvsimConfigError
+from sim.errors import KvsimConfigError, short_repr
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.parquet"
@@ -262,12 +262,62 @@ def check_run_dir(path: Path) -> None:
         raise ValueError(f"{path} is not a complete run directory: missing {', '.join(missing)}")
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _check_numbers(value: object, where: str) -> None:
+    """Every leaf under ``value`` is a number or null (what kvsim writes under metrics)."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check_numbers(item, f"{where}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_numbers(item, f"{where}[{i}]")
+    elif value is not None and not _is_number(value):
+        raise ValueError(f"summary.json: {where} = {short_repr(value)}: expected a number or null")
+
+
+def check_summary(summary: object) -> None:
+    """Raise ValueError naming the field and its value unless ``summary`` has the types
+    kvsim writes, where it has the field: request counts whole numbers >= 0, the duration a
+    number, ``complete`` and ``truncated_at_limit`` booleans (a cut run with its counts),
+    every figure under ``metrics`` a number or null, each SLO an object. A hand-edited or
+    foreign summary.json is refused here, not deep inside a table."""
+    if not isinstance(summary, dict):
+        raise ValueError("summary.json is not a JSON object")
+    for key in ("num_requests", "num_finished", "num_unfinished"):
+        value = summary.get(key, 0)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"summary.json: {key} = {short_repr(value)}: expected a count")
+    if not _is_number(summary.get("duration_s", 0.0)):
+        duration = short_repr(summary["duration_s"])
+        raise ValueError(f"summary.json: duration_s = {duration}: expected a number of seconds")
+    for key in ("complete", "truncated_at_limit"):
+        if not isinstance(summary.get(key, False), bool):
+            raise ValueError(
+                f"summary.json: {key} = {short_repr(summary[key])}: expected true/false"
+            )
+    if summary.get("truncated_at_limit") and not {"num_requests", "num_unfinished"} <= set(summary):
+        raise ValueError("summary.json: truncated_at_limit without num_requests and num_unfinished")
+    if not isinstance(summary.get("metrics", {}), dict):
+        raise ValueError(
+            f"summary.json: metrics = {short_repr(summary['metrics'])}: expected an object"
+        )
+    _check_numbers(summary.get("metrics", {}), "metrics")
+    slos = summary.get("slos", {})
+    if not isinstance(slos, dict) or not all(isinstance(v, dict) for v in slos.values()):
+        raise ValueError(f"summary.json: slos = {short_repr(slos)}: expected an object of SLOs")
+
+
 def load_run(path: str | Path) -> RunData:
-    """Read a run directory; a missing or unreadable file raises ValueError with the reason."""
+    """Read a run directory; a missing or unreadable file, or a summary.json without the
+    types kvsim writes (:func:`check_summary`), raises ValueError with the reason."""
     path = Path(path)
     check_run_dir(path)
     try:
         summary = json.loads((path / SUMMARY).read_text())
+        check_summary(summary)
         requests = pd.read_parquet(path / REQUESTS)
         steps = pd.read_parquet(path / STEPS)
     except (OSError, ValueError) as exc:

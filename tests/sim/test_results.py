@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,13 +16,17 @@ from sim.errors import KvsimConfigError
 from sim.results import (
     CLAIM,
     check_out_free,
+    check_summary,
     claim_new_run_dir,
     claim_run_dir,
     clean_stale,
     list_runs,
+    load_run,
     release_claim,
     write_run,
 )
+from sim.runner import simulate
+from sim.scenario import DEFAULT_SCENARIO, load_scenario
 
 
 def dead_pid() -> int:
@@ -105,3 +111,34 @@ def test_list_runs_ignores_hidden_partial_even_with_a_summary(tmp_path: Path) ->
     (partial / "summary.json").write_text("{}")
     assert list_runs(tmp_path) == []
     assert list_runs(tmp_path / "missing") == []
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"num_finished": "143"}, "num_finished = '143': expected a count"),
+        ({"num_requests": -1}, "num_requests = -1: expected a count"),
+        ({"duration_s": "long"}, "duration_s = 'long': expected a number of seconds"),
+        ({"complete": "yes"}, "complete = 'yes': expected true/false"),
+        ({"metrics": []}, "metrics = []: expected an object"),
+        (
+            {"metrics": {"vllm:time_to_first_token_seconds": {"p99": "slow"}}},
+            "metrics.vllm:time_to_first_token_seconds.p99 = 'slow': expected a number or null",
+        ),
+        ({"slos": [1]}, "slos = [1]: expected an object of SLOs"),
+        ({"truncated_at_limit": True, "num_unfinished": None}, "truncated_at_limit without"),
+    ],
+)
+def test_a_summary_without_kvsims_types_is_refused_naming_the_field(
+    tmp_path: Path, change: dict, message: str
+) -> None:
+    result = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=2"]))
+    run = result.write(tmp_path / "run")
+    summary = {**result.summary, **change}
+    summary = {k: v for k, v in summary.items() if v is not None}
+    with pytest.raises(ValueError, match=re.escape(message)):
+        check_summary(summary)
+    (run / "summary.json").write_text(json.dumps(summary))
+    with pytest.raises(ValueError, match=rf"{re.escape(str(run))}: cannot read run files: "):
+        load_run(run)
+    check_summary(result.summary)  # what kvsim writes passes
