@@ -12,27 +12,37 @@ arguments (:func:`engine_args`, the same names and meaning as vLLM's ``EngineArg
   arguments, which the backend passes to ``AsyncEngineArgs(**model_json)``).
 
 Every engine setting the simulation used is written out, also where it equals vLLM's
-default, so the deployed engine runs the config that was simulated; that includes
+default, so the deployed engine runs the config that was simulated; that includes the
+model's ``dtype`` (vLLM's ``auto`` would run a float32 checkpoint in 16 bits) and
 ``async_scheduling`` off, the synchronous scheduler kvsim models (vLLM 0.32 turns async
 scheduling on by default on CUDA). The model is the preset's hub
 repository (same geometry; pass ``model=`` for your own checkpoint), or the folder of a
-local ``config.json``.
+local ``config.json``. What the results depend on but no engine argument carries (a fleet's
+replicas and router, the per-request priorities of the priority policy) goes in comments
+(:func:`deployment_notes`); the engine config itself is refused where vLLM could not start
+it (a ``num_gpu_blocks_override`` beyond the GPU's memory).
 """
 
 from __future__ import annotations
 
 import json
 import shlex
+import textwrap
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
+from sim.config.sizing import size_deployable_kv_cache
+from sim.console import err_console
 from sim.errors import KvsimConfigError
 from sim.scenario import Scenario
 
 ExportFormat = Literal["vllm-args", "vllm-yaml", "triton"]
 FORMATS: tuple[str, ...] = ("vllm-args", "vllm-yaml", "triton")
+
+# Comment lines of the exported files are wrapped at this width.
+NOTE_WIDTH = 88
 
 # The hub repository of each model preset (sim.config.model.MODEL_PRESETS): the base model
 # whose config.json the preset's geometry was copied from.
@@ -64,11 +74,13 @@ def served_model(scenario: Scenario, model: str | None = None) -> str:
 
 def engine_args(scenario: Scenario) -> dict[str, Any]:
     """The scenario's engine settings as vLLM ``EngineArgs`` fields (same names, same
-    meaning), in a stable order. ``num_gpu_blocks_override`` only when the scenario pins
-    the block count; a CPU offload tier as ``kv_offloading_size`` (vLLM's native backend).
-    A what-if memory policy vLLM 0.32 lacks (swap, a non-paged allocator, retention) is
-    refused: vLLM 0.32 would run without it and the deployment would not be the simulated
-    one."""
+    meaning), in a stable order; the one mapping of the exports and of ``kvsim replay``.
+    ``dtype`` is the model's, the one kvsim sized weights and KV in (the KV cache follows
+    it: vLLM's ``kv_cache_dtype`` auto); ``num_gpu_blocks_override`` only when the scenario
+    pins the block count; a CPU offload tier as ``kv_offloading_size`` (vLLM's native
+    backend). A what-if memory policy vLLM 0.32 lacks (swap, a non-paged allocator,
+    retention) is refused: vLLM 0.32 would run without it and the deployment would not be
+    the simulated one."""
     e = scenario.engine
     if what_if := e.policies_vllm_lacks():
         raise KvsimConfigError(
@@ -77,6 +89,9 @@ def engine_args(scenario: Scenario) -> dict[str, Any]:
             "drop the policy to export"
         )
     args: dict[str, Any] = {
+        # vLLM's default "auto" runs a float32 checkpoint in bfloat16/float16 on a GPU,
+        # while kvsim sized its weights and KV at 4 bytes.
+        "dtype": scenario.model.dtype,
         "block_size": e.block_size,
         "gpu_memory_utilization": e.gpu_memory_utilization,
         "tensor_parallel_size": e.tensor_parallel_size,
@@ -100,12 +115,108 @@ def engine_args(scenario: Scenario) -> dict[str, Any]:
     return args
 
 
+def check_deployable(scenario: Scenario) -> None:
+    """Refuse (``KvsimConfigError``) a config vLLM could not start on the simulated GPU: the
+    weights do not fit, or a ``num_gpu_blocks_override`` needs more memory than is left for
+    the KV cache (:func:`~sim.config.sizing.size_deployable_kv_cache`). Every export format
+    checks it; a CPU replay does not need it (``kvsim replay`` gives vLLM's CPU backend the
+    KV space the blocks need)."""
+    try:
+        size_deployable_kv_cache(scenario.model, scenario.hardware, scenario.engine)
+    except ValueError as exc:
+        raise KvsimConfigError(f"scenario {scenario.name!r}: {exc}") from None
+
+
+def deployed_engine_args(scenario: Scenario) -> dict[str, Any]:
+    """:func:`engine_args` of a config vLLM can start (:func:`check_deployable`)."""
+    args = engine_args(scenario)
+    check_deployable(scenario)
+    return args
+
+
 def _provenance(scenario: Scenario) -> str:
     e = scenario.engine
-    return (
+    line = (
         f"vLLM engine config from kvsim scenario {scenario.name!r}, simulated on "
         f"{e.tensor_parallel_size} x {scenario.hardware.name}"
     )
+    if scenario.fleet is not None:
+        replicas = scenario.fleet.replicas
+        line += f" per replica, {replicas} replica{'s' if replicas != 1 else ''}"
+    return line
+
+
+def _priority_classes(scenario: Scenario) -> str:
+    """The priorities the simulated clients sent, as a phrase."""
+    workload = scenario.workload
+    classes = getattr(workload, "priority_classes", None)
+    if classes is None:  # a trace: each row's own priority column
+        return f"each row's priority in the trace {Path(workload.path).name} (rows without: 0)"
+    total = sum(c.weight for c in classes)
+    unit = "sessions" if workload.kind == "agent_sessions" else "requests"
+    shares = [f"{c.priority} for {c.name} ({c.weight / total:.0%})" for c in classes]
+    shares[0] = shares[0][:-1] + f" of the {unit})"
+    return ", ".join(shares)
+
+
+def _fleet_note(scenario: Scenario) -> list[str]:
+    if (fleet := scenario.fleet) is None:
+        return []
+    router = fleet.router.model_dump(mode="json")
+    kind = router.pop("kind")
+    settings = ", ".join(
+        f"{name}={'none' if value is None else value}" for name, value in router.items()
+    )
+    replicas = f"{fleet.replicas} replica{'s' if fleet.replicas != 1 else ''}"
+    return [
+        f"kvsim simulated {replicas} of this engine behind a {kind} router "
+        f"({settings}), a what-if: vLLM 0.32 serves one engine, and the router was kvsim's "
+        f"model of one. This is one replica's engine config: run {fleet.replicas} engines "
+        f"with it and deploy a {kind} router in front of them yourself (e.g. llm-d or vLLM "
+        "production-stack); the simulated results depend on that router."
+    ]
+
+
+def deployment_notes(scenario: Scenario) -> list[str]:
+    """What the simulated results depend on that no engine argument carries, one paragraph
+    each (none for one engine under FCFS): a fleet's replica count and router (vLLM serves
+    one engine; the router is the user's to deploy), and, under the priority policy, the
+    per-request priority the clients must send (for ``vllm serve``; Triton's backend sends
+    none: :func:`triton_warnings`)."""
+    notes = _fleet_note(scenario)
+    if scenario.engine.scheduling_policy == "priority":
+        notes.append(
+            "scheduling_policy priority: clients must send each request's priority (the "
+            "'priority' field of vLLM's OpenAI-compatible API; a lower value is served "
+            f"first, default 0), as simulated: {_priority_classes(scenario)}. Requests "
+            "sent without one all run at priority 0, first come first served."
+        )
+    return notes
+
+
+def triton_warnings(scenario: Scenario) -> list[str]:
+    """Where a Triton deployment cannot run what was simulated, one paragraph each: the
+    priority policy, as Triton's vLLM backend passes no per-request priority."""
+    if scenario.engine.scheduling_policy != "priority":
+        return []
+    return [
+        "scheduling_policy priority, but Triton's vLLM backend passes no per-request "
+        "priority to the engine (it calls generate without one), so every request runs at "
+        "priority 0 and the engine serves them first come first served: the priority "
+        f"classes kvsim simulated ({_priority_classes(scenario)}) do not apply, nor do its "
+        "results for them. Deploy with vllm serve (--format vllm-args or vllm-yaml) to "
+        "keep them."
+    ]
+
+
+def _comments(paragraphs: list[str]) -> str:
+    """``paragraphs`` as ``#`` comment lines, wrapped, each line ending in a newline."""
+    lines = [
+        "# " + line
+        for text in paragraphs
+        for line in textwrap.wrap(text, NOTE_WIDTH - 2, break_on_hyphens=False)
+    ]
+    return "".join(line + "\n" for line in lines)
 
 
 def _flag(name: str) -> str:
@@ -115,7 +226,7 @@ def _flag(name: str) -> str:
 def serve_argv(scenario: Scenario, model: str | None = None) -> list[str]:
     """``vllm serve`` and its arguments, one list item per shell word."""
     argv = ["vllm", "serve", served_model(scenario, model)]
-    for name, value in engine_args(scenario).items():
+    for name, value in deployed_engine_args(scenario).items():
         if isinstance(value, bool):
             # vLLM declares these with argparse.BooleanOptionalAction: --x / --no-x.
             argv.append(_flag(name) if value else "--no-" + _flag(name)[2:])
@@ -125,29 +236,34 @@ def serve_argv(scenario: Scenario, model: str | None = None) -> list[str]:
 
 
 def serve_command(scenario: Scenario, model: str | None = None) -> str:
-    """The ``vllm serve`` command line, quoted for a POSIX shell."""
-    return shlex.join(serve_argv(scenario, model))
+    """The ``vllm serve`` command line, quoted for a POSIX shell, after the
+    :func:`deployment_notes` as ``#`` comment lines when there are any."""
+    argv = serve_argv(scenario, model)
+    return _comments(deployment_notes(scenario)) + shlex.join(argv)
 
 
 def serve_yaml(scenario: Scenario, model: str | None = None) -> str:
     """A config file for ``vllm serve --config``; the model is named in its first line."""
-    keys = {name.replace("_", "-"): value for name, value in engine_args(scenario).items()}
+    keys = {name.replace("_", "-"): value for name, value in deployed_engine_args(scenario).items()}
     head = (
         f"# {_provenance(scenario)}\n"
         f"# usage: vllm serve {shlex.quote(served_model(scenario, model))} --config THIS_FILE\n"
     )
-    return head + yaml.safe_dump(keys, sort_keys=False)
+    return head + _comments(deployment_notes(scenario)) + yaml.safe_dump(keys, sort_keys=False)
 
 
 def triton_model_json(scenario: Scenario, model: str | None = None) -> dict[str, Any]:
     """``model.json`` of Triton's vLLM backend: ``AsyncEngineArgs`` keyword arguments."""
-    return {"model": served_model(scenario, model), **engine_args(scenario)}
+    return {"model": served_model(scenario, model), **deployed_engine_args(scenario)}
 
 
 def triton_config_pbtxt(name: str, scenario: Scenario) -> str:
     """``config.pbtxt`` for Triton's vLLM backend. One instance of kind KIND_MODEL: the
-    engine places itself on its ``tensor_parallel_size`` GPUs (KIND_GPU is single-GPU)."""
-    return (
+    engine places itself on its ``tensor_parallel_size`` GPUs (KIND_GPU is single-GPU).
+    A fleet's note (:func:`deployment_notes`) and the :func:`triton_warnings` open it as
+    comments (``model.json`` is JSON: no comments)."""
+    warnings = ["WARNING: " + text for text in triton_warnings(scenario)]
+    return _comments([*warnings, *_fleet_note(scenario)]) + (
         f'name: "{name}"\n'
         'backend: "vllm"\n'
         "# vLLM batches on its own: Triton's batching is off.\n"
@@ -175,7 +291,8 @@ def export(scenario: Scenario, fmt: str, out: Path, model: str | None = None) ->
     """Write ``scenario``'s engine config to ``out`` in ``fmt``; returns the files written.
 
     ``vllm-args`` and ``vllm-yaml`` write one file at ``out``; ``triton`` writes a model
-    repository under the folder ``out``. Never overwrites: an existing ``out`` is an error.
+    repository under the folder ``out`` and prints its :func:`triton_warnings` to stderr.
+    Never overwrites: an existing ``out`` is an error.
     """
     if fmt not in FORMATS:
         raise KvsimConfigError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
@@ -194,10 +311,15 @@ def export(scenario: Scenario, fmt: str, out: Path, model: str | None = None) ->
         out.write_text(serve_yaml(scenario, model))
         return [out]
     name = triton_model_name(scenario)
+    # Built before anything is written: a refused config leaves no half repository.
+    config_text = triton_config_pbtxt(name, scenario)
+    model_json_text = json.dumps(triton_model_json(scenario, model), indent=2) + "\n"
     version_dir = out / name / "1"
     version_dir.mkdir(parents=True)
     config = out / name / "config.pbtxt"
-    config.write_text(triton_config_pbtxt(name, scenario))
+    config.write_text(config_text)
     model_json = version_dir / "model.json"
-    model_json.write_text(json.dumps(triton_model_json(scenario, model), indent=2) + "\n")
+    model_json.write_text(model_json_text)
+    for warning in triton_warnings(scenario):
+        err_console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False, soft_wrap=True)
     return [config, model_json]

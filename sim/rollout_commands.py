@@ -58,7 +58,7 @@ def check_export_options(
 ) -> None:
     """``--export-format`` and ``--export-out`` (of tune and capacity) before any work:
     the format, the destination, and that ``spec`` can be exported at all."""
-    from sim.export import FORMATS, engine_args, served_model
+    from sim.export import FORMATS, check_deployable, engine_args, served_model
 
     if (export_format is None) != (export_out is None):
         raise KvsimConfigError("--export-format and --export-out go together")
@@ -71,6 +71,7 @@ def check_export_options(
     check_parent(export_out, "--export-out")
     if export_format is not None and spec is not None:
         engine_args(spec)
+        check_deployable(spec)
         served_model(spec)
 
 
@@ -115,7 +116,7 @@ def export_cmd(
 ) -> None:
     """Export a scenario's engine config for rollout: vllm serve args or YAML, or Triton."""
     from sim.export import FORMATS, export, serve_command, serve_yaml
-    from sim.scenario import check_runnable, load_scenario
+    from sim.scenario import load_scenario
 
     try:
         if format_ not in FORMATS:
@@ -123,8 +124,9 @@ def export_cmd(
         path = source / "scenario.yaml" if source.is_dir() else source
         if source.is_dir() and not path.is_file():
             raise KvsimConfigError(f"{source}: a folder without scenario.yaml (not a run)")
+        # Not check_runnable: an export needs the engine, model and GPU, not the workload
+        # (a trace need not be here); the formats refuse a config vLLM could not start.
         spec = load_scenario(path, set_ or [])
-        check_runnable(spec, str(path))
         if out is None:
             if format_ == "triton":
                 raise KvsimConfigError("--format triton writes a model repository: give --out")
@@ -328,7 +330,34 @@ def capacity(
         "what_if": what_if,
         **document,
     }
-    _write_results(out, document, spec, export_format, export_out)
+    if the_knob is None and all(r.fewest is None for r in results):
+        # As a load search that nothing holds: the curve is written, the command fails.
+        _write_results(out, document, spec, None, None)
+        raise fail(
+            "no router tried holds the SLOs with every request finished, up to "
+            f"{max(p.load for r in results for p in r.curve):g} replicas (--max-replicas)"
+            + ("; nothing exported" if export_format is not None else "")
+        )
+    exported = spec if the_knob is not None else sized_fleet(spec, results)
+    _write_results(out, document, exported, export_format, export_out)
+
+
+def sized_fleet(spec: Scenario, results: list[ReplicaSearch]) -> Scenario:
+    """The fleet ``kvsim capacity --replicas`` found: the router that held with the fewest
+    replicas (the first such, in the order asked), at that count (one engine, no fleet,
+    when one replica holds); one must have held."""
+    from sim.fleet.config import router_section
+    from sim.scenario import parse_scenario
+
+    best = min((r for r in results if r.fewest is not None), key=lambda r: r.fewest or 0)
+    document = spec.model_dump(mode="json")
+    fleet = document.get("fleet") or {"replicas": 1, "router": {"kind": "round_robin"}}
+    document["fleet"] = (
+        None  # one engine needs no router
+        if best.fewest == 1
+        else {"replicas": best.fewest, "router": router_section(fleet["router"], best.router)}
+    )
+    return parse_scenario(document, spec.name)
 
 
 def _print_capacity(spec: Scenario, the_knob: Knob, result: CapacityResult) -> None:
@@ -379,8 +408,8 @@ def _write_results(
             (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
             console.print(f"written to {out / 'capacity.json'}", highlight=False)
         if export_format is not None and export_out is not None:
-            # The deployment is the scenario's own engine config (one replica's, for a
-            # fleet); only the load or the replica count was searched.
+            # The deployment is the scenario's own engine config (one replica's, for a fleet,
+            # with the replica count and router the search found in its notes).
             for file in export(spec, export_format, export_out):
                 console.print(f"wrote {file}", highlight=False)
     except (KvsimConfigError, OSError) as exc:

@@ -4,7 +4,8 @@ vLLM's V1 worker profiles a forward pass at ``max_num_batched_tokens`` tokens, t
 KV cache ``total_memory * gpu_memory_utilization - weights - activation peak - CUDA graphs and
 other non-torch memory`` and divides by the page size. The sim cannot profile, so the two
 middle terms are estimates with named constants; calibration against a real startup log
-replaces them.
+replaces them. :func:`size_deployable_kv_cache` also checks that a pinned block count
+(``num_gpu_blocks_override``) fits that budget, as a deployment needs.
 """
 
 from __future__ import annotations
@@ -147,6 +148,39 @@ def size_kv_cache(model: ModelGeometry, hardware: Hardware, engine: EngineConfig
         num_usable_blocks=num_usable_blocks,
         max_tokens_in_kv=num_usable_blocks * engine.block_size,
     )
+
+
+def size_deployable_kv_cache(
+    model: ModelGeometry, hardware: Hardware, engine: EngineConfig
+) -> KVSizing:
+    """:func:`size_kv_cache`, and also refuse a ``num_gpu_blocks_override`` whose blocks do
+    not fit the memory left for the KV cache.
+
+    vLLM allocates ``num_gpu_blocks_override`` x bytes per block whatever memory is free
+    (``v1/core/kv_cache_utils.py``), so an engine started with a larger override runs out
+    of memory at startup. A simulation may pin more blocks than fit (a what-if: ``kvsim
+    report claims`` runs one on a KV cache 8 times the GPU's), so :func:`size_kv_cache`
+    accepts it; a deployment (``kvsim export``) may not. Raises ``KvsimConfigError``.
+    """
+    sizing = size_kv_cache(model, hardware, engine)
+    override = engine.num_gpu_blocks_override
+    if override is None:
+        return sizing
+    needed_bytes = override * sizing.bytes_per_block
+    if needed_bytes > sizing.kv_cache_bytes:
+        fits = sizing.kv_cache_bytes // sizing.bytes_per_block
+        raise KvsimConfigError(
+            f"engine.num_gpu_blocks_override={override} needs {_gib(needed_bytes)} of KV cache "
+            f"per GPU ({override:,} blocks x {sizing.bytes_per_block:,} bytes at block_size="
+            f"{engine.block_size}), but {model.name} on {hardware.name} leaves "
+            f"{_gib(sizing.kv_cache_bytes)} for it (gpu_memory_utilization="
+            f"{engine.gpu_memory_utilization} of {_gib(hardware.hbm_bytes)} less "
+            f"{_gib(sizing.weight_bytes)} of weights, {_gib(sizing.activation_peak_bytes)} "
+            f"activation peak and {_gib(sizing.cudagraph_bytes)} CUDA graphs): vLLM allocates "
+            f"the override whatever memory is free and would run out of memory at startup; "
+            f"lower it to {fits:,} or less, or remove it to let vLLM size the cache"
+        )
+    return sizing
 
 
 def kv_cache_summary(sizing: KVSizing) -> str:

@@ -291,3 +291,33 @@ def test_the_replica_search_stops_at_the_request_count_and_keeps_the_view_delay(
     assert set(delays) == {0.5}
     capped = find_min_replicas(spec, never, "round_robin", max_replicas=3)
     assert [p.load for p in capped.curve] == [2, 3]
+
+
+def test_capacity_replicas_exports_the_fleet_it_found_and_fails_when_none_holds(
+    tmp_path: Path,
+) -> None:
+    """48 agents need 3 replicas behind either router for a 0.3 s p99 TTFT (round robin,
+    asked first, is exported); no count up to 4 holds 0.15 s."""
+    args = ["capacity", str(BURST), "--replicas", "--router", "round_robin", "--router",
+            "session_affinity", "--max-replicas", "4", "--set", "workload.sessions=48",
+            "--set", "workload.turns.value=2"]  # fmt: skip
+    serve = tmp_path / "serve.sh"
+    result = runner.invoke(
+        app,
+        [*args, "--slo", "ttft_p99_s=0.3", "--out", str(tmp_path / "ok"),
+         "--export-format", "vllm-args", "--export-out", str(serve)],
+    )  # fmt: skip
+    assert result.exit_code == 0, result.output
+    found = {r["router"]: r["fewest_replicas"] for r in json.loads(
+        (tmp_path / "ok" / "capacity.json").read_text())["replica_search"]}  # fmt: skip
+    assert found == {"round_robin": 3, "session_affinity": 3}
+    text = " ".join(serve.read_text().split())
+    assert "3 replicas of this engine behind a round_robin router" in text
+    result = runner.invoke(
+        app,
+        [*args, "--slo", "ttft_p99_s=0.15", "--out", str(tmp_path / "none"),
+         "--export-format", "vllm-args", "--export-out", str(tmp_path / "none.sh")],
+    )  # fmt: skip
+    assert result.exit_code == 2
+    assert "no router tried holds the SLOs" in " ".join(result.output.split())
+    assert (tmp_path / "none" / "capacity.json").is_file() and not (tmp_path / "none.sh").exists()

@@ -20,6 +20,8 @@ SCENARIOS = [
     ),
     (SCENARIO_DIR / "priority-mix.yaml", ["engine.kv_offload_gib=64"]),
     (SCENARIO_DIR / "validation" / "open-loop-burst.yaml", []),
+    # A fleet: the YAML opens with comment lines (the replicas and the router).
+    (SCENARIO_DIR / "fleet" / "coding-agents-fleet-8b-h100.yaml", []),
 ]
 
 
@@ -59,3 +61,23 @@ def test_vllm_serve_parses_the_exported_args_and_yaml(
     loaded = AsyncEngineArgs(**json.loads(model_json.read_text()))
     assert loaded.model == argv[2]
     assert_engine_args(loaded, expected)
+
+
+def test_vllm_runs_the_dtype_kvsim_simulated(tmp_path: Path) -> None:
+    # A float32 checkpoint: vLLM's default dtype "auto" would downcast it to 16 bits on a
+    # GPU ("Downcast for float32 models"), while kvsim sized its weights and KV at 4 bytes.
+    import torch
+    from vllm.config.model import _STR_DTYPE_TO_TORCH_DTYPE
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    tiny = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
+    raw = json.loads(Path(load_scenario(tiny).model.source_path or "").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(raw | {"torch_dtype": "float32"}))
+    spec = load_scenario(tiny, [f"model={tmp_path / 'config.json'}"])
+    argv = serve_argv(spec)
+    parsed = AsyncEngineArgs.from_cli_args(serve_parser().parse_args(argv[2:]))
+    assert parsed.dtype == "float32"
+    # An explicit dtype is taken as given (only "auto" downcasts).
+    assert _STR_DTYPE_TO_TORCH_DTYPE[parsed.dtype] == torch.float32
+    (_, model_json) = export(spec, "triton", tmp_path / "repo")
+    assert AsyncEngineArgs(**json.loads(model_json.read_text())).dtype == "float32"

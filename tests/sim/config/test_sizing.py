@@ -7,6 +7,7 @@ from sim.config.sizing import (
     CUDAGRAPH_RESERVE_BYTES,
     estimate_activation_peak_bytes,
     kv_cache_summary,
+    size_deployable_kv_cache,
     size_kv_cache,
 )
 
@@ -73,6 +74,29 @@ def test_override_replaces_the_block_count():
     assert sizing.max_tokens_in_kv == 2048 * 16
     # The derived terms are still reported.
     assert sizing.kv_cache_bytes == size_kv_cache(LLAMA_8B, H100, make_engine()).kv_cache_bytes
+
+
+def test_a_deployment_refuses_an_override_beyond_the_memory_left_for_kv():
+    # vLLM allocates override x bytes per block at startup: 28,541 blocks of 2 MiB fit the
+    # 55.7 GiB an H100 leaves for Llama-3.1-8B's KV, one more would not.
+    fits = make_engine(num_gpu_blocks_override=28_541)
+    assert size_deployable_kv_cache(LLAMA_8B, H100, fits).num_gpu_blocks == 28_541
+    too_many = make_engine(num_gpu_blocks_override=28_542)
+    with pytest.raises(ValueError) as info:
+        size_deployable_kv_cache(LLAMA_8B, H100, too_many)
+    message = str(info.value)
+    assert message.startswith(
+        "engine.num_gpu_blocks_override=28542 needs 55.7 GiB of KV cache per GPU (28,542 "
+        "blocks x 2,097,152 bytes at block_size=16), but Llama-3.1-8B on H100-SXM-80GB leaves "
+        "55.7 GiB for it"
+    )
+    assert "lower it to 28,541 or less" in message
+    # A simulation may still pin it (a what-if: the claims report's ample KV cache).
+    assert size_kv_cache(LLAMA_8B, H100, too_many).num_gpu_blocks == 28_542
+    # Without an override, the deployment is sized as vLLM sizes it.
+    assert size_deployable_kv_cache(LLAMA_8B, H100, make_engine()) == size_kv_cache(
+        LLAMA_8B, H100, make_engine()
+    )
 
 
 def test_override_still_needs_max_model_len_to_fit():
