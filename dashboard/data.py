@@ -146,14 +146,18 @@ def latency_cdfs(
 PHASES = ("queueing", "prefill", "decode", "tool wait")
 
 
-def session_waterfall(requests: pd.DataFrame, session_id: int) -> pd.DataFrame:
+def session_waterfall(
+    requests: pd.DataFrame, session_id: int, cut_at_s: float | None = None
+) -> pd.DataFrame:
     """One bar segment per phase of each request of a session, times relative to its start.
 
     queueing: arrival -> first scheduled; prefill: first scheduled -> first token; decode:
     first token -> finish; tool wait: the turn's last finish -> the next turn's arrival.
     A preempted request's label says so (its decode bar then includes the recompute); in a
     fleet run (a ``replica`` column) it names the request's replica.
-    Columns: label, turn, phase, start_s, duration_s. Missing times drop their segment.
+    Columns: label, turn, phase, start_s, duration_s. Missing times drop their segment,
+    except in a run cut at ``cut_at_s`` (its time limit): there a request still unfinished
+    shows the phase it was in up to the cut, and its label says "unfinished".
     """
     rows = requests[requests["session_id"] == session_id].sort_values(
         ["turn", "subcall", "arrival_s"]
@@ -177,6 +181,13 @@ def session_waterfall(requests: pd.DataFrame, session_id: int) -> pd.DataFrame:
             ("prefill", rec.first_scheduled_s, rec.first_token_s),
             ("decode", rec.first_token_s, rec.finish_s),
         ]
+        if cut_at_s is not None and not np.isfinite(rec.finish_s):
+            label += " (unfinished)"
+            # The phase it was in when the run stopped: the first one with no end.
+            for i, (phase, start, end) in enumerate(bounds):
+                if np.isfinite(start) and not np.isfinite(end):
+                    bounds[i] = (phase, start, cut_at_s)
+                    break
         if is_last:
             bounds.append(("tool wait", turn_finish[rec.turn], next_arrival[rec.turn]))
         for phase, start, end in bounds:

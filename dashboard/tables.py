@@ -75,16 +75,19 @@ def engine_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("request throughput", f"{_num(m.get('request_throughput_req_s'), '.2f')} req/s"),
         (
             "goodput (requests meeting every SLO)",
-            f"{_num(m.get('goodput_req_s'), '.2f')} req/s ({_pct(m.get('slo_attainment'))})",
+            f"{_num(m.get('goodput_req_s'), '.2f')} req/s "
+            f"({_pct(m.get('slo_attainment'))} of all requests)",
         ),
         ("peak concurrent sessions", f"{m.get('peak_concurrent_sessions', 0):,}"),
     ]
     kv_cache = summary.get("kv_cache") or {}
     if kv_cache.get("num_gpu_blocks"):
+        # Usable blocks, as kvsim run prints them: vLLM's null block holds no KV.
         rows.append(
             (
                 "KV blocks (block size)",
-                f"{kv_cache['num_gpu_blocks']:,} ({kv_cache.get('block_size', '?')} tokens)",
+                f"{kv_cache['num_gpu_blocks'] - 1:,} usable "
+                f"({kv_cache.get('block_size', '?')} tokens)",
             )
         )
     classes = m.get("by_priority_class") or {}

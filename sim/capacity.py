@@ -105,6 +105,12 @@ def knob_for(scenario: Scenario, field: str) -> Knob:
     default = default_knob(scenario, strict=False)
     if default is not None and default.field == field:
         return default
+    if not field.startswith("workload."):
+        # The search assumes more of the knob is more load: a field of the traffic.
+        raise KvsimConfigError(
+            f"--knob {field}: not a load; give a field of the workload (e.g. "
+            "workload.sessions, workload.turns.value), or leave --knob out for the default"
+        )
     try:
         value = get_field(scenario.model_dump(mode="json"), field)
     except (KeyError, TypeError):

@@ -68,9 +68,9 @@ def run(
     from sim.config.sizing import kv_cache_summary
     from sim.report import (
         band_table,
-        skipped_rows_line,
         step_time_source,
         summary_table,
+        too_long_line,
         truncation_line,
         what_if_line,
     )
@@ -171,7 +171,7 @@ def run(
             release_claim(out_dir)
         raise
     console.print(summary_table(result.summary))
-    for partial in (truncation_line(result.summary), skipped_rows_line(result.summary)):
+    for partial in (truncation_line(result.summary), too_long_line(result.summary)):
         if partial:
             err_console.print(f"[yellow]{partial}[/yellow]", highlight=False)
     if what_if := what_if_line(result.summary):
@@ -206,12 +206,15 @@ def scenarios() -> None:
     """List the shipped scenarios and the question each answers."""
     from sim.scenario import SCENARIO_DIR, load_scenario
 
-    for path in sorted(SCENARIO_DIR.glob("*.yaml")):
+    # The scenarios of the README's table: one engine, then fleets (calibration, validation,
+    # claims and benchmark scenarios live in their own folders and serve those commands).
+    for path in [*sorted(SCENARIO_DIR.glob("*.yaml")), *sorted(SCENARIO_DIR.glob("fleet/*.yaml"))]:
+        name = path.relative_to(SCENARIO_DIR).as_posix()
         try:
             spec = load_scenario(path)
-            console.print(f"[bold]{path.name}[/bold]: {spec.description}", highlight=False)
+            console.print(f"[bold]{name}[/bold]: {spec.description}", highlight=False)
         except KvsimConfigError as exc:
-            console.print(f"[red]{path.name}[/red]: {exc}", highlight=False)
+            console.print(f"[red]{name}[/red]: {exc}", highlight=False)
 
 
 @app.command()

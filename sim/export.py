@@ -59,6 +59,8 @@ PRESET_REPOS: dict[str, str] = {
 def served_model(scenario: Scenario, model: str | None = None) -> str:
     """What ``vllm serve`` loads: ``model`` if given, the local config's folder, or the
     preset's hub repository."""
+    if model is not None and not model.strip():
+        raise KvsimConfigError("--model '': give the hub name or path vLLM should load")
     if model:
         return model
     if scenario.model.source_path:

@@ -29,15 +29,22 @@ def _num(value: float | None, fmt: str = ",.1f") -> str:
 
 def truncation_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
     """What a run cut at ``limits.max_duration_s`` leaves out of its figures, or None for a
-    run that drained its workload: its latencies, throughput and SLO verdicts cover the
-    finished requests only, and those are not the slow ones."""
+    run that drained its workload: its E2E latencies and throughput count the finished
+    requests only, its TTFT and ITL the tokens produced by then, and what is left out is
+    the slowest part."""
     if not summary.get("truncated_at_limit"):
         return None
     unfinished, total = summary["num_unfinished"], summary["num_requests"]
+    not_arrived = summary.get("num_not_arrived", 0)
+    later = f" and {not_arrived:,} more not yet arrived" if not_arrived else ""
     left_out = (
-        f" with {unfinished:,} of its {total:,} requests unfinished: its latencies, throughput "
-        f"and SLO verdicts cover the {total - unfinished:,} finished ones only, not the slowest"
+        f" with {unfinished:,} of its {total:,} requests unfinished{later}: its latencies, "
+        "throughput and SLO verdicts leave out what those had still to do (their ends, any "
+        "first token yet to come), the slowest part of the run"
         if unfinished
+        else f" with {not_arrived:,} of its workload's requests not yet arrived: they are not "
+        "in its figures"
+        if not_arrived
         else ": what would have arrived after it is not in its figures"
     )
     return (
@@ -46,17 +53,24 @@ def truncation_line(summary: dict[str, Any], subject: str = "the run") -> str | 
     )
 
 
-def skipped_rows_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
-    """What a trace replay with ``on_too_long: skip`` left out, or None when it dropped no
-    row: the longest prompts, so its latencies read better than the whole trace's."""
-    skipped = summary.get("trace_rows_skipped")
-    if not skipped:
-        return None
-    total = summary["num_requests"] + skipped
-    return (
-        f"{subject} skipped {skipped:,} of its trace's {total:,} rows, longer than "
-        f"max_model_len (workload.on_too_long: skip): its figures leave out the longest prompts"
-    )
+def too_long_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
+    """What a run changed of its workload to fit ``max_model_len``, or None: the trace rows
+    ``on_too_long: skip`` dropped, or the open-loop requests whose prompt (then output) was
+    cut; either way the longest requests are not in its figures as the workload had them."""
+    if skipped := summary.get("trace_rows_skipped"):
+        total = summary["num_requests"] + skipped
+        return (
+            f"{subject} skipped {skipped:,} of its trace's {total:,} rows, longer than "
+            "max_model_len (workload.on_too_long: skip): its figures leave out the longest "
+            "prompts"
+        )
+    if clipped := summary.get("requests_clipped"):
+        return (
+            f"{subject} cut {clipped:,} of its {summary['num_requests']:,} requests to fit "
+            "max_model_len (the prompt's unique part first, then the output): its figures "
+            "have them shorter than the workload drew them"
+        )
+    return None
 
 
 def what_if_lines(summary: dict[str, Any]) -> list[str]:
@@ -141,7 +155,8 @@ def capacity_table(summary: dict[str, Any]) -> Table:
         ("request throughput", f"{_num(m['request_throughput_req_s'], '.2f')} req/s"),
         (
             "goodput (requests meeting every SLO)",
-            f"{_num(m['goodput_req_s'], '.2f')} req/s ({_pct(m['slo_attainment'])})",
+            f"{_num(m['goodput_req_s'], '.2f')} req/s "
+            f"({_pct(m['slo_attainment'])} of all requests)",
         ),
         ("peak concurrent sessions", f"{m['peak_concurrent_sessions']:,}"),
     ]

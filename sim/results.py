@@ -122,8 +122,12 @@ def _create_parent(out_dir: Path, option: str, refuse_existing: bool = False) ->
     """Create ``out_dir``'s folder; KvsimConfigError naming ``option`` if it cannot be (or,
     with ``refuse_existing``, if ``out_dir`` itself exists)."""
     try:
-        if refuse_existing and out_dir.exists():
-            raise KvsimConfigError(f"{option} {out_dir}: already exists; kvsim never overwrites")
+        exists = refuse_existing and out_dir.exists()
+    except (OSError, ValueError) as exc:  # e.g. a NUL byte in the path
+        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({exc})") from None
+    if exists:
+        raise KvsimConfigError(f"{option} {out_dir}: already exists; kvsim never overwrites")
+    try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as exc:
         reason = getattr(exc, "strerror", None) or str(exc)
@@ -279,13 +283,17 @@ def _check_numbers(value: object, where: str) -> None:
 
 
 def check_summary(summary: object) -> None:
-    """Raise ValueError naming the field and its value unless ``summary`` has the types
-    kvsim writes, where it has the field: request counts whole numbers >= 0, the duration a
-    number, ``complete`` and ``truncated_at_limit`` booleans (a cut run with its counts),
-    every figure under ``metrics`` a number or null, each SLO an object. A hand-edited or
-    foreign summary.json is refused here, not deep inside a table."""
+    """Raise ValueError naming the field and its value unless ``summary`` has the request
+    count and the metrics, and the types kvsim writes where it has the field: request
+    counts whole numbers >= 0, the duration a number, ``complete`` and
+    ``truncated_at_limit`` booleans (a cut run with its counts), every figure under
+    ``metrics`` a number or null, each SLO an object. A hand-edited or foreign
+    summary.json is refused here, not deep inside a table."""
     if not isinstance(summary, dict):
         raise ValueError("summary.json is not a JSON object")
+    lacking = [key for key in ("num_requests", "metrics") if key not in summary]
+    if lacking:
+        raise ValueError(f"summary.json has no {' or '.join(lacking)}: not a kvsim run summary")
     for key in ("num_requests", "num_finished", "num_unfinished"):
         value = summary.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:

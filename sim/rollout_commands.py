@@ -4,6 +4,7 @@ operator deploys (registered on the ``kvsim`` app by :mod:`sim.cli`)."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 from pathlib import Path
@@ -51,6 +52,17 @@ SEARCHED_FLEETS = (
     "fleets of replicas behind a simulated router (vLLM 0.32 serves one engine; the routing "
     "is kvsim's model)"
 )
+
+
+def slo_overrides(slo: list[str] | None) -> list[str]:
+    """``--slo NAME=SECONDS`` as ``--set slos.NAME=SECONDS`` overrides; one without ``=`` is
+    refused naming --slo (the --set parser would name --set)."""
+    for bound in slo or []:
+        if "=" not in bound:
+            raise KvsimConfigError(
+                f"--slo {bound!r}: expected NAME=SECONDS, e.g. --slo ttft_p99_s=2"
+            )
+    return [f"slos.{bound}" for bound in slo or []]
 
 
 def check_export_options(
@@ -170,10 +182,18 @@ def sweep(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a scenario over a grid of overrides in parallel; resumable; one results table."""
-    from sim.sweep import RESULTS_FILE, default_workers, plan_sweep, run_sweep, unfinished_points
+    from sim.sweep import (
+        RESULTS_FILE,
+        check_runner,
+        default_workers,
+        plan_sweep,
+        run_sweep,
+        unfinished_points,
+    )
 
     plan = None
     try:
+        check_runner(workers, ray)  # before the folder exists: a refusal leaves nothing
         plan = plan_sweep(scenario, grid, set_ or [], out)
         pending = plan.pending()
         total = len(plan.points)
@@ -277,7 +297,7 @@ def capacity(
 
     source = scenario or DEFAULT_SCENARIO
     try:
-        overrides = [*(set_ or []), *(f"slos.{bound}" for bound in slo or [])]
+        overrides = [*(set_ or []), *slo_overrides(slo)]
         spec = load_scenario(source, overrides)
         check_runnable(spec, str(source))
         if not spec.slos.model_dump(exclude_none=True):
@@ -518,8 +538,8 @@ def tune_cmd(
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
         check_parent(out, "--out")
-        if gpu_hour_usd <= 0:
-            raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be positive")
+        if not math.isfinite(gpu_hour_usd) or gpu_hour_usd <= 0:
+            raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be a positive number")
         if memory_policies not in (None, "exportable", "all"):
             raise KvsimConfigError(
                 f"--memory-policies {memory_policies!r}: expected exportable or all"
@@ -530,7 +550,7 @@ def tune_cmd(
                 "what-if vLLM 0.32 cannot run (swap, retention); use --memory-policies "
                 "exportable to export"
             )
-        spec = load_scenario(source, [*(set_ or []), *(f"slos.{b}" for b in slo or [])])
+        spec = load_scenario(source, [*(set_ or []), *slo_overrides(slo)])
         check_runnable(spec, str(source))
         # With the policy searched, a trial's own replaces the scenario's: what is checked
         # for export is the scenario's engine with it reset (every policy offered exports).

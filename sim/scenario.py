@@ -29,7 +29,7 @@ from sim.config.model import ModelGeometry, resolve_model
 from sim.config.sizing import KVSizing, size_kv_cache
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
 from sim.fleet.config import FleetConfig, fleet_what_if
-from sim.workload import WorkloadConfig
+from sim.workload import AgentSessionsWorkload, WorkloadConfig
 from sim.workload.distributions import BurstArrivals, EmpiricalLength
 from sim.workload.trace import TraceWorkload
 
@@ -228,9 +228,11 @@ def load_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     """Read, override and validate a scenario file. Raises KvsimConfigError on bad input."""
     path = Path(path)
     if not is_file(path):
-        known = ", ".join(sorted(p.name for p in SCENARIO_DIR.glob("*.yaml")))
+        shipped = [*sorted(SCENARIO_DIR.glob("*.yaml")), *sorted(SCENARIO_DIR.glob("fleet/*.yaml"))]
+        known = ", ".join(p.relative_to(SCENARIO_DIR).as_posix() for p in shipped)
         raise KvsimConfigError(
-            f"scenario {short_repr(str(path))} is not a file; shipped scenarios: {known}"
+            f"scenario {short_repr(str(path))} is not a file; the shipped scenarios, in "
+            f"{SCENARIO_DIR}: {known}"
         )
     document = load_yaml(read_text(path, "scenario"), str(path))
     if document is None:
@@ -308,6 +310,15 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
                 f"token and an output token within engine.max_model_len="
                 f"{scenario.engine.max_model_len}"
             )
+        if isinstance(workload, AgentSessionsWorkload):
+            shared = workload.system_prompt_tokens + workload.tool_schema_tokens
+            if shared + 2 > scenario.engine.max_model_len:
+                raise KvsimConfigError(
+                    f"{where}: workload.system_prompt_tokens + tool_schema_tokens = {shared} "
+                    "leaves no room for a message token and an output token within "
+                    f"engine.max_model_len={scenario.engine.max_model_len}: every session "
+                    "would end before its first turn"
+                )
         arrival = getattr(workload, "arrival", None) or getattr(workload, "session_arrival", None)
         if isinstance(arrival, BurstArrivals):
             first_arrival_s = arrival.at_s

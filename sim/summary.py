@@ -15,7 +15,24 @@ import pandas as pd
 
 from sim.metrics import summarize, swap_summary
 from sim.scenario import Scenario
+from sim.workload.open_loop import OpenLoopWorkload
 from sim.workload.trace import TraceWorkload
+
+
+def oversized_override(scenario: Scenario, kv_cache: Mapping[str, Any]) -> str | None:
+    """The what-if line of a ``num_gpu_blocks_override`` whose blocks need more memory than
+    the GPU leaves for the KV cache (vLLM would not start with it), or None."""
+    override = scenario.engine.num_gpu_blocks_override
+    if override is None or "kv_cache_bytes" not in kv_cache:
+        return None
+    needed = override * kv_cache["bytes_per_block"]
+    if needed <= kv_cache["kv_cache_bytes"]:
+        return None
+    return (
+        f"engine.num_gpu_blocks_override={override}: {needed / 2**30:,.1f} GiB of KV cache "
+        f"where {scenario.hardware.name} leaves {kv_cache['kv_cache_bytes'] / 2**30:,.1f} GiB "
+        "for it (a larger GPU than the hardware's; vLLM would run out of memory at startup)"
+    )
 
 
 def build_summary(
@@ -42,8 +59,16 @@ def build_summary(
         if isinstance(workload, TraceWorkload)
         else 0
     )
+    clipped = workload.num_clipped() if isinstance(workload, OpenLoopWorkload) else 0
+    # A cut open-loop or trace run: the requests its workload planned that never arrived (an
+    # agent session's count is not known in advance: it ends when its context no longer fits).
+    not_arrived = 0
+    if truncated_at_limit and isinstance(workload, OpenLoopWorkload | TraceWorkload):
+        not_arrived = max(0, (workload.expected_num_requests() or 0) - len(requests))
     # Only what-if runs carry the key, so the vLLM-exact engine's summaries stay as they were.
     what_if = scenario.engine.what_if_policies()
+    if (line := oversized_override(scenario, kv_cache)) is not None:
+        what_if.append(line)
     return {
         **provenance,
         **({"what_if": what_if} if what_if else {}),
@@ -56,8 +81,11 @@ def build_summary(
         "num_requests": len(requests),
         "num_finished": num_finished,
         "num_unfinished": len(requests) - num_finished,
-        # Trace rows dropped as longer than max_model_len (only a trace with some skipped).
+        **({"num_not_arrived": not_arrived} if not_arrived else {}),
+        # What did not fit max_model_len (only where some did not): trace rows dropped,
+        # open-loop requests cut to fit.
         **({"trace_rows_skipped": skipped} if skipped else {}),
+        **({"requests_clipped": clipped} if clipped else {}),
         "kv_cache": dict(kv_cache),
         **summarize(
             requests,

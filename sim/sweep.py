@@ -278,18 +278,33 @@ def check_ray_address(address: str) -> str | None:
     return address
 
 
-def _run_on_ray(
-    plan: SweepPlan,
-    pending: list[Point],
-    address: str,
-    on_point: Callable[[Point, str | None], None] | None,
-) -> None:
+def check_runner(workers: int | None, ray_address: str | None) -> None:
+    """``--workers`` and ``--ray`` before a sweep creates its folder: a count of at least 1,
+    Ray installed and something answering at the address (KvsimConfigError otherwise)."""
+    if workers is not None and workers < 1:
+        raise KvsimConfigError(f"--workers {workers}: must be at least 1")
+    if ray_address is not None:
+        _import_ray()
+        check_ray_address(ray_address)
+
+
+def _import_ray() -> Any:
     try:
         import ray
     except ImportError:
         raise KvsimConfigError(
             "--ray needs Ray, an optional extra: pip install 'kvsim[ray]'"
         ) from None
+    return ray
+
+
+def _run_on_ray(
+    plan: SweepPlan,
+    pending: list[Point],
+    address: str,
+    on_point: Callable[[Point, str | None], None] | None,
+) -> None:
+    ray = _import_ray()
     target = check_ray_address(address)
     try:
         ray.init(
@@ -382,8 +397,7 @@ def run_sweep(
     ``on_point(point, error)`` runs in this process as each point finishes. On Ray the sweep
     folder must be on storage every node sees (one machine, or a shared filesystem), and
     kvsim installed on every node."""
-    if workers < 1:
-        raise KvsimConfigError(f"--workers {workers}: must be at least 1")
+    check_runner(workers, None)
     with sweep_lock(plan.out):
         for stale in (plan.out / POINTS_DIR).glob(".tmp-*"):  # a killed worker's leftovers
             shutil.rmtree(stale, ignore_errors=True)

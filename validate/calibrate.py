@@ -7,14 +7,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
 from sim.config.calibration import CalibrationProfile
 from sim.config.hardware import Hardware
+from sim.config.loading import load_yaml
 from sim.config.model import ModelGeometry
 from sim.cost_model import ATTENTION_FLOPS, CostModel, CostParams
 from sim.errors import KvsimConfigError
-from sim.results import RunData, load_run
+from sim.results import SCENARIO, STEPS, RunData, load_run
 from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
 from sim.shape_coverage import ShapeCell, fitted_cells, shape_coverage
@@ -154,6 +154,19 @@ class MeasuredRun:
         return cls(run, scenario, shapes, durations_s, after_idle, since, idle_s)
 
 
+# The step columns a fit reads: the batch shape (sim.step_record.shapes_of_steps; runs
+# recorded before shared_kv_tokens read as sharing nothing), start and duration.
+STEP_SHAPE_COLUMNS = (
+    "start_s",
+    "duration_s",
+    "num_prefill_tokens",
+    "num_prefill_reqs",
+    "prefill_attention_pairs",
+    "num_decode_tokens",
+    "decode_context_tokens",
+)
+
+
 def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
     """The measured runs of ``run_dirs``; refuses simulated runs and runs that mix models,
     devices or TP degrees (a profile describes one of each)."""
@@ -166,7 +179,18 @@ def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
                 f"{run.path}: source={run.summary.get('source')!r}; calibrate on measured runs "
                 "(written by kvsim validate or kvsim replay), not simulated ones"
             )
-    scenarios = [parse_scenario(yaml.safe_load(r.scenario_yaml), str(r.path)) for r in runs]
+    for run in runs:
+        lacking = [c for c in STEP_SHAPE_COLUMNS if c not in run.steps.columns]
+        if lacking:
+            raise KvsimConfigError(
+                f"{run.path / STEPS}: lacks the column(s) {', '.join(lacking)} a fit reads"
+            )
+        if not run.scenario_yaml.strip():
+            raise KvsimConfigError(f"{run.path}: no {SCENARIO}, which says what the run measured")
+    scenarios = [
+        parse_scenario(load_yaml(r.scenario_yaml, str(r.path / SCENARIO)), str(r.path / SCENARIO))
+        for r in runs
+    ]
     models = {s.model.name for s in scenarios}
     devices = {r.summary.get("device") for r in runs}
     tps = {s.engine.tensor_parallel_size for s in scenarios}

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
-from sim.report import partial_run_line, skipped_rows_line, what_if_line
+from sim.report import partial_run_line, too_long_line, what_if_line
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
 from validate.engine_args import engine_kwargs, resolve_model_dir
@@ -476,20 +476,27 @@ def compare_cmd(
     out: Annotated[Path | None, typer.Option(help="Write the table as JSON here.")] = None,
 ) -> None:
     """Compare two runs metric by metric (relative error of A against B)."""
+    from sim.results import check_out_free
+
     try:
+        if out is not None:
+            check_out_free(out)  # never overwrites; its folder must be writable
         a, b = load_any_run(run_a), load_any_run(run_b)
-    except ValueError as exc:
+    except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
     rows = compare_summaries(a.summary, b.summary)
     console.print(error_table(rows, f"{run_a} vs {run_b}", a.label, b.label))
     for run, path in ((a, run_a), (b, run_b)):
         for note in (
             partial_run_line(run.summary, str(path)),
-            skipped_rows_line(run.summary, str(path)),
+            too_long_line(run.summary, str(path)),
         ):
             if note:
                 err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
         if what_if := what_if_line(run.summary, str(path)):
             err_console.print(f"[cyan]{what_if}[/cyan]", highlight=False)
     if out is not None:
-        out.write_text(json.dumps(rows_to_records(rows), indent=2, allow_nan=False) + "\n")
+        try:
+            out.write_text(json.dumps(rows_to_records(rows), indent=2, allow_nan=False) + "\n")
+        except OSError as exc:
+            raise fail(f"--out {out}: cannot write the table ({exc})") from None

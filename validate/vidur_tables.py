@@ -160,6 +160,8 @@ def read_allreduce(root: Path, gpu: str) -> pd.DataFrame:
 def read_tables(root: str | Path, gpu: str) -> OperatorTables:
     """One GPU's operator and all-reduce tables from a Vidur profiling folder."""
     root = Path(root)
+    if not root.is_dir():
+        raise KvsimConfigError(f"--vidur {root}: no such folder")
     if not (root / "compute").is_dir():
         raise KvsimConfigError(
             f"--vidur {root}: no compute/ folder; expected Vidur's data/profiling layout "

@@ -168,6 +168,10 @@ def _block_map(path: Path, fleet: bool) -> None:
     if times.size == 0:
         st.info("The block map has no snapshots (the run ended before the first one).")
         return
+    if st.session_state.get("ex-snapshot-of") != str(path):
+        # Another run: start at its last snapshot, not at the last run's position.
+        st.session_state.pop("ex-snapshot", None)
+        st.session_state["ex-snapshot-of"] = str(path)
     index = st.select_slider(
         "Snapshot (simulated time)",
         options=range(len(times)),
@@ -301,7 +305,8 @@ def _waterfall(view: RunView, replica: int | None) -> None:
     )
     if view.replicas:
         st.caption("Every turn of the session is shown, each labelled with the replica it ran on.")
-    segments = session_waterfall(view.requests, int(session))
+    cut_at_s = view.summary.get("duration_s") if view.summary.get("truncated_at_limit") else None
+    segments = session_waterfall(view.requests, int(session), cut_at_s)
     fig = charts.waterfall_figure(segments, title=f"session {session}")
     st.plotly_chart(fig, key="ex-waterfall")
     totals = segments.groupby("phase")["duration_s"].sum()

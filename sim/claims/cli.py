@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -44,7 +45,14 @@ def claims(
             raise KvsimConfigError(f"--out {out}: already exists; kvsim never overwrites")
         if not out.parent.is_dir():
             raise KvsimConfigError(f"--out {out}: the folder {out.parent} does not exist")
-        check_png_export(out.parent)
+        try:  # a real write: access() says yes to root, e.g. under /proc
+            with tempfile.TemporaryFile(dir=out.parent):
+                pass
+        except OSError as exc:
+            raise KvsimConfigError(
+                f"--out {out}: the folder {out.parent} is not writable ({exc.strerror or exc})"
+            ) from None
+        check_png_export()
         with count_progress(quiet) as bar:
             task = bar.add_task("claims", total=None)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -375,11 +376,11 @@ def write_png(figure: go.Figure, path: Path) -> None:
         ) from None
 
 
-def check_png_export(scratch: Path) -> None:
-    """Fail before any simulation when the plots could not be written at the end."""
-    probe = scratch / "probe.png"
-    write_png(go.Figure(go.Bar(x=[0], y=[1])), probe)
-    probe.unlink()
+def check_png_export() -> None:
+    """Fail before any simulation when the plots could not be written at the end (the
+    probe is written in a temporary folder: where the report goes is checked apart)."""
+    with tempfile.TemporaryDirectory(prefix="kvsim-png-") as scratch:
+        write_png(go.Figure(go.Bar(x=[0], y=[1])), Path(scratch) / "probe.png")
 
 
 def write_report(study: Study, out: Path) -> Path:

@@ -32,6 +32,7 @@ from sim.errors import KvsimConfigError
 from sim.interrupts import completed, sigint_deferred
 from sim.scenario import Scenario, check_runnable, load_scenario
 from sim.sweep import die_with_parent
+from sim.workload import AgentSessionsWorkload
 
 UTILIZATION_LOADS = (0.5, 0.75, 1.0, 1.25, 1.5)
 PRESSURE_LOAD = 1.5
@@ -174,6 +175,11 @@ def run_study(
     cannot be searched (no SLO, no load knob) or vLLM holds no load at all. ``on_done``
     runs as each task finishes; ``on_phase(name, num_tasks)`` before each phase."""
     scenario = load_scenario(path, [])
+    if not isinstance(scenario.workload, AgentSessionsWorkload):
+        raise KvsimConfigError(
+            f"{path}: workload.kind={scenario.workload.kind}: the claims report measures "
+            "agents (how many sessions a GPU holds); give an agent_sessions scenario"
+        )
     sizing = check_runnable(scenario, str(path))
     if not scenario.slos.model_dump(exclude_none=True):
         raise KvsimConfigError(f"{path}: the claims report needs SLOs (slos: ttft_p99_s, ...)")

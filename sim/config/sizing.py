@@ -126,11 +126,16 @@ def size_kv_cache(model: ModelGeometry, hardware: Hardware, engine: EngineConfig
     blocks_needed = math.ceil(engine.max_model_len / engine.block_size)
     if blocks_needed > num_usable_blocks:
         max_len = num_usable_blocks * engine.block_size
+        more = (
+            f"raise engine.num_gpu_blocks_override to {blocks_needed + NUM_NULL_BLOCKS:,} or more"
+            if engine.num_gpu_blocks_override is not None
+            else "raise gpu_memory_utilization or tensor_parallel_size"
+        )
         raise KvsimConfigError(
             f"max_model_len={engine.max_model_len} needs {blocks_needed:,} KV blocks of "
             f"{engine.block_size} tokens for one request, but only {num_usable_blocks:,} are "
             f"available for {model.name} on {hardware.name}; lower max_model_len to "
-            f"{max_len} or less, or raise gpu_memory_utilization or tensor_parallel_size"
+            f"{max_len} or less, or {more}"
         )
 
     return KVSizing(

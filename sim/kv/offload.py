@@ -437,8 +437,21 @@ def offload_summary(
     loads = sum(o.totals.load_requests for o in offloaders)
     wait_s = sum(o.totals.load_wait_s for o in offloaders)
     transfer_s = float(steps["offload_transfer_s"].sum()) if len(steps) else 0.0
+    # A fleet has a store per replica: its size and the share of time spent copying are one
+    # replica's (the peak is any replica's fullest), the counts are summed over them.
+    replicas = max(1, len(offloaders))
+    fleet = (
+        {
+            "note": f"a fleet of {replicas} replicas, a store each: store_blocks is one "
+            "replica's store, store_blocks_peak the fullest any got, transfer_time_frac their "
+            "mean; the other counts are summed over the replicas"
+        }
+        if replicas > 1
+        else {}
+    )
     return {
-        "store_blocks": sum(o.store.num_blocks for o in offloaders),
+        **fleet,
+        "store_blocks": max((o.store.num_blocks for o in offloaders), default=0),
         "store_blocks_peak": int(steps["offload_store_blocks"].max()) if len(steps) else 0,
         "stored_blocks": total("offload_stored_blocks"),
         "stored_bytes": total("offload_stored_blocks") * bytes_per_block,
@@ -453,7 +466,7 @@ def offload_summary(
         "load_wait_s_mean": wait_s / loads if loads else None,
         "deferred_lookups": sum(o.totals.deferred_lookups for o in offloaders),
         "transfer_time_s": transfer_s,
-        "transfer_time_frac": transfer_s / duration_s if duration_s > 0 else None,
+        "transfer_time_frac": transfer_s / (duration_s * replicas) if duration_s > 0 else None,
         "peak_requests_loading": int(steps["num_requests_loading"].max()) if len(steps) else 0,
         "returning_turns": returning_turns(requests),
     }

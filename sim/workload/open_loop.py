@@ -19,6 +19,8 @@ from sim.workload.distributions import (
     PoissonArrivals,
     PriorityClasses,
     sample_priority_classes,
+    stash,
+    stashed,
 )
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
@@ -63,6 +65,10 @@ class OpenLoopWorkload(KvsimModel):
         """Exactly ``num_requests``."""
         return self.num_requests
 
+    def num_clipped(self) -> int:
+        """How many requests a started run cut to fit max_model_len (0 before it starts)."""
+        return stashed(self, "_num_clipped") or 0
+
     def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
         """Plan every request's time, lengths and class now; submit them from one process."""
         # Children, not ``rng`` itself: the token stream must not depend on who else draws
@@ -73,9 +79,12 @@ class OpenLoopWorkload(KvsimModel):
         prompt_lens = self.prompt_tokens.sample(plan_rng, n)
         output_lens = self.output_tokens.sample(plan_rng, n)
         class_ids = sample_priority_classes(plan_rng, self.priority_classes, n)
-        prompt_lens, output_lens = _clip_to_model_len(
+        fitted_prompts, fitted_outputs = _clip_to_model_len(
             self.shared_prefix_tokens, prompt_lens, output_lens, sink.max_model_len
         )
+        clipped = (fitted_prompts < prompt_lens) | (fitted_outputs < output_lens)
+        stash(self, "_num_clipped", int(np.count_nonzero(clipped)))
+        prompt_lens, output_lens = fitted_prompts, fitted_outputs
         sink.env.process(
             self._submit_all(
                 sink,

@@ -62,6 +62,8 @@ def trace_format(path: str | Path, format: TraceFormat | None = None) -> TraceFo
     if format is not None:
         return format
     suffix = Path(path).suffix.lower()
+    if not suffix and Path(path).is_dir():
+        raise KvsimConfigError(f"trace {short_repr(str(path))}: a folder, not a trace file")
     if suffix not in _SUFFIX_FORMATS:
         raise KvsimConfigError(
             f"trace {short_repr(str(path))}: cannot infer the format from suffix "

@@ -148,6 +148,23 @@ def test_session_waterfall_phases() -> None:
     ]  # unfinished sub-call: no decode bar; last turn: no tool wait
 
 
+def test_session_waterfall_of_a_cut_run_shows_the_unfinished_phase_to_the_cut() -> None:
+    seg = session_waterfall(_session_rows(), 3, cut_at_s=24.0)
+    rows = [tuple(r) for r in seg[["label", "phase", "start_s", "duration_s"]].to_numpy()]
+    # turn 1.1 had its first token at 20 s and was decoding when the run stopped at 24 s.
+    assert rows[-3:] == [
+        ("turn 1.1 (unfinished)", "queueing", 8.0, 1.0),
+        ("turn 1.1 (unfinished)", "prefill", 9.0, 1.0),
+        ("turn 1.1 (unfinished)", "decode", 10.0, 4.0),
+    ]
+    queued = _session_rows().assign(first_scheduled_s=[11.0, 18.5, math.nan, 0.0],
+                                    first_token_s=[12.0, 19.0, math.nan, 1.0])  # fmt: skip
+    last = session_waterfall(queued, 3, cut_at_s=24.0).iloc[-1]
+    assert (last["label"], last["phase"], last["duration_s"]) == (
+        "turn 1.1 (unfinished)", "queueing", 6.0,
+    )  # fmt: skip
+
+
 def test_session_waterfall_labels_preempted_requests() -> None:
     rows = _session_rows().assign(num_preemptions=[0, 2, 0, 0])
     labels = list(dict.fromkeys(session_waterfall(rows, 3)["label"]))

@@ -218,3 +218,19 @@ def test_run_explorer_shows_the_uncertainty_band(runs_env: Path, tmp_path: Path)
     at.text_input(key="ex-path").set_value(str(run) + "/").run()
     assert any("cannot read the uncertainty band" in w for w in texts(at.warning))
     assert not at.error and "HBM block map" in texts(at.subheader)  # the rest still shows
+
+
+def test_another_run_opens_at_its_last_snapshot(
+    small_runs: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("a", "b"):
+        shutil.copytree(small_runs / "priority-small", tmp_path / name)
+    monkeypatch.setenv("KVSIM_RUNS_DIR", str(tmp_path))
+    at = open_page(start_app(), "run_explorer")
+    at.selectbox(key="ex-select").set_value(tmp_path / "a").run()
+    at.select_slider(key="ex-snapshot").set_value(3).run()
+    assert at.select_slider(key="ex-snapshot").value == 3
+    at.selectbox(key="ex-select").set_value(tmp_path / "b").run()
+    assert not at.exception, at.exception
+    snapshot = at.select_slider(key="ex-snapshot")
+    assert snapshot.value == len(snapshot.options) - 1  # not the other run's position

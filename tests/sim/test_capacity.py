@@ -150,6 +150,7 @@ def test_cli_exports_the_deployment_it_sized(tmp_path: Path) -> None:
         (["--set", "slos.ttft_p99_s=null", "--set", "slos.e2e_p99_s=null"], "no SLO to hold"),
         (["--export-format", "helm", "--export-out", "x"], "--export-format 'helm': expected"),
         (["--export-out", "x"], "--export-format and --export-out go together"),
+        (["--slo", "ttft_p99_s"], "--slo 'ttft_p99_s': expected NAME=SECONDS"),
     ],
 )  # fmt: skip
 def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:
@@ -187,9 +188,12 @@ def test_a_knob_named_by_hand_keeps_its_type() -> None:
     knob = knob_for(spec, "workload.turns.value")
     assert knob.integer and knob.field == "workload.turns.value"
     assert knob_for(spec, "workload.sessions") == default_knob(spec)
-    assert not knob_for(spec, "engine.gpu_memory_utilization").integer
+    assert not knob_for(spec, "workload.tool_latency.median_s").integer
     with pytest.raises(KvsimConfigError, match="not a number to search over"):
-        knob_for(spec, "engine.scheduling_policy")
+        knob_for(spec, "workload.session_arrival.kind")
+    for not_a_load in ("seed", "limits.max_duration_s", "engine.gpu_memory_utilization"):
+        with pytest.raises(KvsimConfigError, match=f"--knob {not_a_load}: not a load"):
+            knob_for(spec, not_a_load)
     with pytest.raises(KvsimConfigError, match="not a field of this scenario"):
         knob_for(spec, "workload.nope")
     result = find_capacity(spec, loaded("workload.turns.value"), knob)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,8 @@ from typer.testing import CliRunner
 from sim.cli import app
 from sim.config.calibration import save_profile
 from sim.cost_model import CostParams
-from sim.report import skipped_rows_line, truncation_line, what_if_line
-from sim.scenario import DEFAULT_SCENARIO
+from sim.report import too_long_line, truncation_line, what_if_line
+from sim.scenario import DEFAULT_SCENARIO, SCENARIO_DIR
 from tests.profiles import profile_with
 
 runner = CliRunner()
@@ -383,6 +384,12 @@ def test_run_where_no_request_arrives_in_time_is_refused(tmp_path: Path) -> None
     assert "no request arrived before limits.max_duration_s=120 s" in output
 
 
+def test_a_shared_prefix_longer_than_max_model_len_is_refused_as_such(tmp_path: Path) -> None:
+    output = refused(tmp_path, str(tiny(tmp_path)), "--set", "workload.system_prompt_tokens=4090")
+    assert "system_prompt_tokens + tool_schema_tokens = 4122 leaves no room" in output
+    assert "engine.max_model_len=4096" in output
+
+
 @pytest.mark.parametrize(
     ("data", "expected"),
     [
@@ -493,6 +500,10 @@ def test_leftovers_of_a_killed_run_are_cleaned_and_never_listed(tmp_path: Path) 
     [
         (["engine.kv_retention.policy=tool_latency"], "kv_retention: tool_latency"),
         (["fleet.replicas=2"], "fleet of 2 replicas behind a simulated round_robin router"),
+        (
+            ["engine.num_gpu_blocks_override=100000"],
+            "engine.num_gpu_blocks_override=100000: 195.3 GiB of KV cache where H100-SXM-80GB",
+        ),
     ],
 )
 def test_a_what_if_run_says_so_after_its_tables(
@@ -519,8 +530,41 @@ def test_trace_rows_skipped_as_too_long_are_counted_and_said(tmp_path: Path) -> 
     assert code == 0, output
     summary = json.loads((out / "summary.json").read_text())
     assert summary["num_requests"] == 2 and summary["trace_rows_skipped"] == 1
-    assert skipped_rows_line(summary) in output
+    assert too_long_line(summary) in output
     assert "skipped 1 of its trace's 3 rows, longer than max_model_len" in output
     whole = trace_scenario(tmp_path, TRACE_ROWS)
     code, output = run("run", str(whole), "--out", str(tmp_path / "whole"), "--quiet")
     assert code == 0 and "rows, longer than max_model_len" not in output
+
+
+def test_open_loop_requests_cut_to_fit_max_model_len_are_counted_and_said(
+    tmp_path: Path,
+) -> None:
+    workload = (
+        "{kind: open_loop, num_requests: 6, prompt_tokens: {kind: fixed, value: 5000}, "
+        "output_tokens: {kind: fixed, value: 8}}"
+    )
+    out = tmp_path / "run"
+    code, output = run("run", str(tiny(tmp_path, workload=workload)), "--out", str(out), "--quiet")
+    assert code == 0, output
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["requests_clipped"] == 6
+    assert "cut 6 of its 6 requests to fit max_model_len" in output
+    assert too_long_line(summary) in output
+
+
+def test_scenarios_lists_the_readmes_table_with_fleets() -> None:
+    code, output = run("scenarios")
+    assert code == 0, output
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("| scenario | question |", 1)[1].split("\n\n", 1)[0]
+    table = re.findall(r"^\| `([\w/.-]+\.yaml)` \|", section, flags=re.MULTILINE)
+    assert "fleet/coding-agents-fleet-8b-h100.yaml" in table
+    for name in table:
+        assert f"{name}: " in output, name
+
+
+def test_a_missing_scenario_names_the_shipped_ones_where_they_are(tmp_path: Path) -> None:
+    output = refused(tmp_path, str(tmp_path / "nope.yaml"))
+    assert f"the shipped scenarios, in {SCENARIO_DIR}: agent-burst.yaml" in output
+    assert "fleet/coding-agents-fleet-8b-h100.yaml" in output

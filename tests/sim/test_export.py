@@ -323,3 +323,8 @@ def test_an_export_does_not_read_the_workloads_trace() -> None:
 def test_cli_exports_a_trace_scenario_without_its_trace() -> None:
     code, out = run("export", str(TRACE_FLEET))
     assert code == 0, out
+
+
+def test_an_empty_model_name_is_refused() -> None:
+    code, out = run("export", str(CODING), "--model", "")
+    assert code == 2 and "--model '': give the hub name or path" in out

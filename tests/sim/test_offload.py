@@ -342,3 +342,17 @@ def test_offload_within_host_memory_of_a_tensor_parallel_engine_is_accepted() ->
 def test_offloader_starts_empty() -> None:
     offloader = Offloader(4, BLOCK_SIZE, BYTES_PER_BLOCK)
     assert offloader.next_event_s() is None and offloader.store.num_used_blocks == 0
+
+
+def test_a_fleets_offload_section_says_which_figures_are_one_replicas() -> None:
+    one = simulate(parse_scenario(scenario_with(PRESSURE, kv_offload_gib=8.0), "one"))
+    raw = {**scenario_with(PRESSURE, kv_offload_gib=8.0), "fleet": {"replicas": 2}}
+    fleet = simulate(parse_scenario(raw, "fleet"))
+    offload, single = fleet.summary["offload"], one.summary["offload"]
+    assert "note" not in single and offload["note"].startswith("a fleet of 2 replicas")
+    assert offload["store_blocks"] == single["store_blocks"]  # one replica's store, not two
+    steps = fleet.steps
+    assert offload["store_blocks_peak"] == int(steps["offload_store_blocks"].max())
+    assert offload["transfer_time_frac"] == pytest.approx(
+        steps["offload_transfer_s"].sum() / (2 * fleet.summary["duration_s"])
+    )

@@ -126,6 +126,7 @@ def test_list_runs_ignores_hidden_partial_even_with_a_summary(tmp_path: Path) ->
             "metrics.vllm:time_to_first_token_seconds.p99 = 'slow': expected a number or null",
         ),
         ({"slos": [1]}, "slos = [1]: expected an object of SLOs"),
+        ({"metrics": None}, "summary.json has no metrics: not a kvsim run summary"),
         ({"truncated_at_limit": True, "num_unfinished": None}, "truncated_at_limit without"),
     ],
 )

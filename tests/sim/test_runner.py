@@ -132,14 +132,29 @@ def test_time_limit_stops_the_run_and_says_so() -> None:
     assert truncation_line(result.summary) == (
         f"the run hit limits.max_duration_s (60 s) before its workload ended with {unfinished:,} "
         f"of its {total:,} requests unfinished: its latencies, throughput and SLO verdicts "
-        f"cover the {total - unfinished:,} finished ones only, not the slowest; raise "
-        "limits.max_duration_s to see the whole workload"
+        "leave out what those had still to do (their ends, any first token yet to come), the "
+        "slowest part of the run; raise limits.max_duration_s to see the whole workload"
     )
     # Cut with nothing in flight: what would have come after is still left out.
     idle = {**result.summary, "num_unfinished": 0}
     assert "workload ended: what would have arrived after it" in str(truncation_line(idle))
     whole = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=4"]))
     assert not whole.summary["truncated_at_limit"] and truncation_line(whole.summary) is None
+    assert "num_not_arrived" not in result.summary  # agents: not known in advance
+
+
+def test_a_cut_open_loop_run_counts_the_requests_that_had_not_arrived() -> None:
+    # 20 requests at 0.01/s: about 6 arrive in the first 600 s.
+    spec = {**open_loop_scenario(), "limits": {"max_duration_s": 600}}
+    result = simulate(parse_scenario(spec, "theory"))
+    summary = result.summary
+    arrived = summary["num_requests"]
+    assert summary["truncated_at_limit"] and 0 < arrived < 20
+    assert summary["num_not_arrived"] == 20 - arrived
+    line = str(truncation_line(summary))
+    assert "not yet arrived" in line and f"{20 - arrived:,}" in line
+    whole = simulate(parse_scenario(open_loop_scenario(), "theory")).summary
+    assert "num_not_arrived" not in whole
 
 
 def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -288,6 +288,7 @@ def test_an_unreachable_ray_address_is_one_clear_error(
 ) -> None:
     code, text = run(*sweep_args(tmp_path / "s", "--ray", address))
     assert code == 2 and message in text and "Traceback" not in text
+    assert not (tmp_path / "s").exists()  # refused before the folder: the fix can rerun there
 
 
 def test_a_grid_of_mixed_yaml_types_still_writes_its_table(tmp_path: Path) -> None:
@@ -306,3 +307,4 @@ def test_a_grid_of_mixed_yaml_types_still_writes_its_table(tmp_path: Path) -> No
 def test_zero_workers_is_refused(tmp_path: Path) -> None:
     code, text = run(*sweep_args(tmp_path / "s", "--workers", "0"))
     assert code == 2 and "--workers 0: must be at least 1" in text
+    assert not (tmp_path / "s").exists()

@@ -228,6 +228,9 @@ def test_cli_reports_the_best_config_and_exports_it(tmp_path: Path) -> None:
         (["--budget", "0"], "--budget 0: must be at least 1"),
         (["--export-format", "vllm-args"], "--export-format and --export-out go together"),
         (["--set", "slos.ttft_p99_s=null", "--set", "slos.e2e_p99_s=null"], "no SLO to tune"),
+        (["--gpu-hour-usd", "nan"], "--gpu-hour-usd nan: must be a positive number"),
+        (["--gpu-hour-usd", "inf"], "--gpu-hour-usd inf: must be a positive number"),
+        (["--gpu-hour-usd", "0"], "--gpu-hour-usd 0.0: must be a positive number"),
     ],
 )
 def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:

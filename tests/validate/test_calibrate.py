@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -225,6 +226,31 @@ def test_calibrate_refuses_simulated_runs(tmp_path: Path) -> None:
     run = measured_looking_run(tmp_path, "prefill-sweep", source="sim")
     with pytest.raises(KvsimConfigError, match="source='sim'"):
         calibrate([run])
+
+
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        ("yaml", "scenario.yaml: not valid YAML"),
+        ("no-yaml", "no scenario.yaml, which says what the run measured"),
+        ("column", "steps.parquet: lacks the column(s) start_s a fit reads"),
+    ],
+)
+def test_calibrate_names_the_damaged_file_of_a_run(
+    tmp_path: Path, damage: str, message: str
+) -> None:
+    run = measured_looking_run(tmp_path, "prefill-sweep")
+    if damage == "yaml":
+        (run / "scenario.yaml").write_text("a: [")
+    elif damage == "no-yaml":
+        (run / "scenario.yaml").unlink()
+    else:
+        steps = pd.read_parquet(run / "steps.parquet").drop(columns="start_s")
+        steps.to_parquet(run / "steps.parquet")
+    with pytest.raises(KvsimConfigError, match=re.escape(message)):
+        calibrate([run])
+    cli = CliRunner().invoke(app, ["calibrate", str(run), "-o", str(tmp_path / "p.json")])
+    assert cli.exit_code == 2 and "Traceback" not in cli.output, cli.output
 
 
 def test_profile_records_the_shapes_it_was_fitted_on(tmp_path: Path) -> None:

@@ -351,3 +351,20 @@ def test_compare_says_which_run_is_a_what_if(tmp_path: Path) -> None:
     text = " ".join(cli.output.split())
     assert what_if_line(what_if.summary, str(a)) in text
     assert text.count("is a what-if") == 1  # the vLLM-exact run is not one
+
+
+def test_compare_out_never_overwrites_and_names_an_unwritable_path(tmp_path: Path) -> None:
+    run_dir = simulate(load_scenario(DEFAULT_SCENARIO, ["workload.sessions=2"])).write(
+        tmp_path / "sim"
+    )
+    kept = tmp_path / "scenario.yaml"
+    kept.write_text("mine")
+    for out, message in (
+        (kept, "already exists; kvsim never overwrites"),
+        (tmp_path / "sim", "already exists; kvsim never overwrites"),
+        (kept / "table.json", "cannot create it"),
+    ):
+        cli = CliRunner().invoke(app, ["compare", str(run_dir), str(run_dir), "--out", str(out)])
+        assert cli.exit_code == 2 and message in " ".join(cli.output.split()), cli.output
+        assert "Traceback" not in cli.output
+    assert kept.read_text() == "mine"

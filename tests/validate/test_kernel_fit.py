@@ -48,6 +48,8 @@ def test_tables_are_read_tidy_with_duplicates_reduced_to_their_median() -> None:
 def test_bad_folders_and_tables_are_one_message(tmp_path: Path) -> None:
     with pytest.raises(KvsimConfigError, match="no compute/ folder"):
         read_tables(tmp_path, "h100")
+    with pytest.raises(KvsimConfigError, match="nowhere: no such folder"):
+        read_tables(tmp_path / "nowhere", "h100")
     with pytest.raises(KvsimConfigError, match="GPUs there: h100"):
         read_tables(VIDUR, "b200")
     bad = tmp_path / "compute" / "h100" / "org" / "model"

@@ -25,7 +25,7 @@ from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
 from sim.cli import app
 from sim.errors import KvsimConfigError
 from sim.runner import simulate
-from sim.scenario import load_scenario
+from sim.scenario import SCENARIO_DIR, load_scenario
 
 runner = CliRunner()
 TINY = Path(__file__).parent / "tiny-claims.yaml"
@@ -215,6 +215,20 @@ def test_bad_invocations_fail_before_simulating(tmp_path: Path) -> None:
     assert not (tmp_path / "r").exists()
 
 
+def test_an_open_loop_scenario_and_an_unwritable_out_are_refused_up_front(tmp_path: Path) -> None:
+    chat = SCENARIO_DIR / "chat-rag-baseline.yaml"
+    result = runner.invoke(
+        app, ["report", "claims", "--scenario", str(chat), "--out", str(tmp_path / "r")]
+    )
+    assert result.exit_code == 2, result.output
+    assert "workload.kind=open_loop: the claims report measures agents" in " ".join(
+        result.output.split()
+    )
+    assert not (tmp_path / "r").exists()
+    result = runner.invoke(app, ["report", "claims", "--out", "/proc/claims"])
+    assert result.exit_code == 2 and "the folder /proc is not writable" in result.output
+
+
 def test_a_png_that_cannot_be_written_is_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -223,12 +237,12 @@ def test_a_png_that_cannot_be_written_is_one_clear_error(
 
     monkeypatch.setattr(render.go.Figure, "write_image", no_export)
     with pytest.raises(KvsimConfigError, match="need kaleido, the report extra"):
-        render.check_png_export(tmp_path)
+        render.check_png_export()
 
 
 def test_the_shipped_claims_scenario_searches_the_session_rate() -> None:
     from sim.capacity import default_knob
-    from sim.scenario import SCENARIO_DIR, check_runnable
+    from sim.scenario import check_runnable
 
     spec = load_scenario(SCENARIO_DIR / "claims" / "agents-8b-h100.yaml", ["workload.sessions=20"])
     check_runnable(spec)

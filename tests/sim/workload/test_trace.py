@@ -180,6 +180,8 @@ def test_malformed_csv_row_names_line(tmp_path):
 def test_format_from_suffix_or_field(tmp_path):
     with pytest.raises(ValidationError, match=r"cannot infer the format from suffix '\.txt'"):
         TraceWorkload(path="trace.txt")
+    with pytest.raises(ValidationError, match="a folder, not a trace file"):
+        TraceWorkload(path=str(tmp_path))
     path = write_jsonl(tmp_path, MOONCAKE_ROWS, name="trace.txt")
     assert len(run_workload(make_trace(path, format="jsonl")).submissions) == 3
     with pytest.raises(ValueError, match="no rows"):
