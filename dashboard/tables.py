@@ -76,17 +76,18 @@ def engine_frame(summary: dict[str, Any]) -> pd.DataFrame:
         (
             "goodput (requests meeting every SLO)",
             f"{_num(m.get('goodput_req_s'), '.2f')} req/s "
-            f"({_pct(m.get('slo_attainment'))} of all requests)",
+            f"({_pct(m.get('slo_attainment'))} of its requests)",
         ),
         ("peak concurrent sessions", f"{m.get('peak_concurrent_sessions', 0):,}"),
     ]
     kv_cache = summary.get("kv_cache") or {}
     if kv_cache.get("num_gpu_blocks"):
         # Usable blocks, as kvsim run prints them: vLLM's null block holds no KV.
+        per_replica = " per replica" if isinstance(summary.get("fleet"), dict) else ""
         rows.append(
             (
                 "KV blocks (block size)",
-                f"{kv_cache['num_gpu_blocks'] - 1:,} usable "
+                f"{kv_cache['num_gpu_blocks'] - 1:,} usable{per_replica} "
                 f"({kv_cache.get('block_size', '?')} tokens)",
             )
         )

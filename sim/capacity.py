@@ -99,13 +99,19 @@ def _set(document: dict[str, Any], path: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+# Workload fields that are numbers but no load (more of them is not more traffic).
+NOT_LOAD_FIELDS = frozenset(
+    ("workload.time_scale", "workload.vocab_size", "workload.hash_block_tokens", "workload.until_s")
+)
+
+
 def knob_for(scenario: Scenario, field: str) -> Knob:
     """The knob ``--knob FIELD`` names: the default one when it is that field, else a knob
     whose type follows the field's current value (an integer stays an integer)."""
     default = default_knob(scenario, strict=False)
     if default is not None and default.field == field:
         return default
-    if not field.startswith("workload."):
+    if not field.startswith("workload.") or field in NOT_LOAD_FIELDS:
         # The search assumes more of the knob is more load: a field of the traffic.
         raise KvsimConfigError(
             f"--knob {field}: not a load; give a field of the workload (e.g. "
@@ -157,6 +163,8 @@ def load_point(load: float, summary: dict[str, Any]) -> LoadPoint:
     unfinished = summary["num_requests"] - summary["num_finished"]
     if unfinished:
         failed.append(f"{unfinished} of {summary['num_requests']} requests unfinished at the limit")
+    if not_arrived := summary.get("num_not_arrived", 0):
+        failed.append(f"{not_arrived} requests had not arrived at the limit")
     if summary["num_requests"] == 0:
         failed.append("no request arrived before the time limit")
     return LoadPoint(

@@ -156,8 +156,10 @@ def _priority_classes(scenario: Scenario) -> str:
         return f"each row's priority in the trace {Path(workload.path).name} (rows without: 0)"
     total = sum(c.weight for c in classes)
     unit = "sessions" if workload.kind == "agent_sessions" else "requests"
-    shares = [f"{c.priority} for {c.name} ({c.weight / total:.0%})" for c in classes]
-    shares[0] = shares[0][:-1] + f" of the {unit})"
+    shares = [
+        f"{c.priority} for {c.name} ({c.weight / total:.0%}{f' of the {unit}' if i == 0 else ''})"
+        for i, c in enumerate(classes)
+    ]
     return ", ".join(shares)
 
 

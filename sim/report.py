@@ -58,7 +58,7 @@ def too_long_line(summary: dict[str, Any], subject: str = "the run") -> str | No
     ``on_too_long: skip`` dropped, or the open-loop requests whose prompt (then output) was
     cut; either way the longest requests are not in its figures as the workload had them."""
     if skipped := summary.get("trace_rows_skipped"):
-        total = summary["num_requests"] + skipped
+        total = summary["num_requests"] + summary.get("num_not_arrived", 0) + skipped
         return (
             f"{subject} skipped {skipped:,} of its trace's {total:,} rows, longer than "
             "max_model_len (workload.on_too_long: skip): its figures leave out the longest "
@@ -156,7 +156,7 @@ def capacity_table(summary: dict[str, Any]) -> Table:
         (
             "goodput (requests meeting every SLO)",
             f"{_num(m['goodput_req_s'], '.2f')} req/s "
-            f"({_pct(m['slo_attainment'])} of all requests)",
+            f"({_pct(m['slo_attainment'])} of its requests)",
         ),
         ("peak concurrent sessions", f"{m['peak_concurrent_sessions']:,}"),
     ]

@@ -294,7 +294,8 @@ def check_summary(summary: object) -> None:
     lacking = [key for key in ("num_requests", "metrics") if key not in summary]
     if lacking:
         raise ValueError(f"summary.json has no {' or '.join(lacking)}: not a kvsim run summary")
-    for key in ("num_requests", "num_finished", "num_unfinished"):
+    counts = ("num_requests", "num_finished", "num_unfinished", "num_not_arrived")
+    for key in (*counts, "trace_rows_skipped", "requests_clipped"):
         value = summary.get(key, 0)
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"summary.json: {key} = {short_repr(value)}: expected a count")
@@ -306,8 +307,14 @@ def check_summary(summary: object) -> None:
             raise ValueError(
                 f"summary.json: {key} = {short_repr(summary[key])}: expected true/false"
             )
-    if summary.get("truncated_at_limit") and not {"num_requests", "num_unfinished"} <= set(summary):
-        raise ValueError("summary.json: truncated_at_limit without num_requests and num_unfinished")
+    if summary.get("truncated_at_limit") and "num_unfinished" not in summary:
+        raise ValueError("summary.json: truncated_at_limit without num_unfinished")
+    what_if = summary.get("what_if", [])
+    if not isinstance(what_if, list) or not all(isinstance(line, str) for line in what_if):
+        raise ValueError(f"summary.json: what_if = {short_repr(what_if)}: expected a list of text")
+    fleet = summary.get("fleet", {})
+    if not isinstance(fleet, dict) or not isinstance(fleet.get("replicas", 1), int):
+        raise ValueError(f"summary.json: fleet = {short_repr(fleet)}: expected replicas, a count")
     if not isinstance(summary.get("metrics", {}), dict):
         raise ValueError(
             f"summary.json: metrics = {short_repr(summary['metrics'])}: expected an object"

@@ -23,6 +23,7 @@ from rich.table import Table
 
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
+from sim.fleet.config import ROUTING_WHAT_IF
 
 if TYPE_CHECKING:
     from sim.capacity import CapacityResult, Knob, LoadPoint, ReplicaSearch
@@ -48,10 +49,7 @@ ExportOutOption = Annotated[Path | None, typer.Option(help="Where --export-forma
 
 
 # The what-if line of `kvsim capacity --replicas`.
-SEARCHED_FLEETS = (
-    "fleets of replicas behind a simulated router (vLLM 0.32 serves one engine; the routing "
-    "is kvsim's model)"
-)
+SEARCHED_FLEETS = f"fleets of replicas behind a simulated router {ROUTING_WHAT_IF}"
 
 
 def slo_overrides(slo: list[str] | None) -> list[str]:
@@ -354,8 +352,9 @@ def capacity(
         # As a load search that nothing holds: the curve is written, the command fails.
         _write_results(out, document, spec, None, None)
         raise fail(
-            "no router tried holds the SLOs with every request finished, up to "
-            f"{max(p.load for r in results for p in r.curve):g} replicas (--max-replicas)"
+            "no router tried holds the SLOs with every request finished, with up to "
+            f"{max(p.load for r in results for p in r.curve):g} replicas (the search stops at "
+            "--max-replicas or at the workload's request count)"
             + ("; nothing exported" if export_format is not None else "")
         )
     exported = spec if the_knob is not None else sized_fleet(spec, results)
@@ -576,6 +575,7 @@ def tune_cmd(
             gpu_hour_usd=gpu_hour_usd,
             on_trial=progress,
             memory_policies=memory_policies,
+            deployable=export_format is not None,
         )
     except (KvsimConfigError, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None

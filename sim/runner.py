@@ -265,7 +265,7 @@ def simulate(
         summary["kv_waste_breakdown"] = waste
     if fleet is not None:
         summary["fleet"] = fleet_section(
-            fleet, requests, steps, duration_s, bool(engine_cfg.what_if_policies())
+            fleet, requests, steps, duration_s, bool(summary.get("what_if"))
         )
     if engine_cfg.kv_retention.policy != "none":
         summary["retention"] = retention_summary(

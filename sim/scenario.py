@@ -26,7 +26,7 @@ from sim.config.hardware import GIB, Hardware, resolve_hardware
 from sim.config.limits import MAX_SECONDS, MAX_SEED, KvsimModel
 from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
-from sim.config.sizing import KVSizing, size_kv_cache
+from sim.config.sizing import KVSizing, oversized_override_line, size_kv_cache
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
 from sim.fleet.config import FleetConfig, fleet_what_if
 from sim.workload import AgentSessionsWorkload, WorkloadConfig
@@ -86,11 +86,20 @@ class Scenario(KvsimModel):
         description="Replicas of this engine behind a router (a what-if); none: one engine.",
     )
 
-    def what_ifs(self) -> list[str]:
-        """What a run of this scenario models that vLLM 0.32 does not run as configured, one
-        line each: the engine's what-if memory policies and a fleet's router; empty for the
-        vLLM-exact engine. The outputs of a search over it (capacity, tune) carry them."""
+    def engine_what_ifs(self) -> list[str]:
+        """What one engine of this scenario models that vLLM 0.32 does not run as
+        configured, one line each (a summary's ``what_if``): the what-if memory policies and
+        a pinned block count beyond the GPU's memory; empty for the vLLM-exact engine."""
         lines = self.engine.what_if_policies()
+        if (line := oversized_override_line(self.model, self.hardware, self.engine)) is not None:
+            lines.append(line)
+        return lines
+
+    def what_ifs(self) -> list[str]:
+        """:meth:`engine_what_ifs` and a fleet's router: what a run of this scenario models
+        that vLLM 0.32 does not run. The outputs of a search over it (capacity, tune) say
+        them."""
+        lines = self.engine_what_ifs()
         if self.fleet is not None:
             lines.append(fleet_what_if(self.fleet.replicas, self.fleet.router.kind))
         return lines

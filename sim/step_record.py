@@ -206,6 +206,16 @@ def offload_step_values(offload: OffloadStep) -> tuple[int, ...]:
     )
 
 
+# The step columns a batch shape is read from (shared_kv_tokens too, when recorded).
+SHAPE_COLUMNS = (
+    "num_prefill_tokens",
+    "num_prefill_reqs",
+    "prefill_attention_pairs",
+    "num_decode_tokens",
+    "decode_context_tokens",
+)
+
+
 def shapes_of_steps(steps: pd.DataFrame) -> list[BatchShape]:
     """The batch shape of every row of a step table (the inverse of :func:`step_record`).
     Tables written before ``shared_kv_tokens`` was recorded read as sharing nothing."""

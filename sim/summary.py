@@ -19,22 +19,6 @@ from sim.workload.open_loop import OpenLoopWorkload
 from sim.workload.trace import TraceWorkload
 
 
-def oversized_override(scenario: Scenario, kv_cache: Mapping[str, Any]) -> str | None:
-    """The what-if line of a ``num_gpu_blocks_override`` whose blocks need more memory than
-    the GPU leaves for the KV cache (vLLM would not start with it), or None."""
-    override = scenario.engine.num_gpu_blocks_override
-    if override is None or "kv_cache_bytes" not in kv_cache:
-        return None
-    needed = override * kv_cache["bytes_per_block"]
-    if needed <= kv_cache["kv_cache_bytes"]:
-        return None
-    return (
-        f"engine.num_gpu_blocks_override={override}: {needed / 2**30:,.1f} GiB of KV cache "
-        f"where {scenario.hardware.name} leaves {kv_cache['kv_cache_bytes'] / 2**30:,.1f} GiB "
-        "for it (a larger GPU than the hardware's; vLLM would run out of memory at startup)"
-    )
-
-
 def build_summary(
     provenance: Mapping[str, Any],
     scenario: Scenario,
@@ -66,9 +50,7 @@ def build_summary(
     if truncated_at_limit and isinstance(workload, OpenLoopWorkload | TraceWorkload):
         not_arrived = max(0, (workload.expected_num_requests() or 0) - len(requests))
     # Only what-if runs carry the key, so the vLLM-exact engine's summaries stay as they were.
-    what_if = scenario.engine.what_if_policies()
-    if (line := oversized_override(scenario, kv_cache)) is not None:
-        what_if.append(line)
+    what_if = scenario.engine_what_ifs()
     return {
         **provenance,
         **({"what_if": what_if} if what_if else {}),

@@ -56,6 +56,7 @@ RAY_CONNECT_TIMEOUT_S = 5.0
 METRICS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("num_requests", ("num_requests",)),
     ("num_finished", ("num_finished",)),
+    ("num_not_arrived", ("num_not_arrived",)),  # a cut open-loop or trace run's; else none
     ("duration_s", ("duration_s",)),
     ("ttft_p50_s", ("metrics", "vllm:time_to_first_token_seconds", "p50")),
     ("ttft_p99_s", ("metrics", "vllm:time_to_first_token_seconds", "p99")),
@@ -448,12 +449,16 @@ def point_record(plan: SweepPlan, point: Point) -> dict[str, Any]:
 
 def unfinished_points(table: pd.DataFrame) -> pd.Series:
     """True for the ok points of a results table whose run hit ``limits.max_duration_s``
-    with requests unfinished (their latencies and SLO verdicts cover the finished ones only);
-    False everywhere for a table without the request counts."""
+    with requests unfinished or, for open-loop traffic or a trace, not yet arrived (their
+    latencies and SLO verdicts leave those out); False everywhere for a table without the
+    request counts."""
     ok = table["status"] == "ok"
     if not {"num_requests", "num_finished"} <= set(table.columns):
         return ok & False
-    return ok & (table["num_finished"] < table["num_requests"])
+    unfinished = table["num_finished"] < table["num_requests"]
+    if "num_not_arrived" in table.columns:  # tables written before it had none
+        unfinished |= pd.to_numeric(table["num_not_arrived"]).fillna(0) > 0
+    return ok & unfinished
 
 
 def write_results(plan: SweepPlan) -> pd.DataFrame:

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from sim.capacity import default_knob, find_capacity
+from sim.config.sizing import size_deployable_kv_cache
 from sim.errors import KvsimConfigError
 from sim.scenario import Scenario, check_runnable, parse_scenario
 
@@ -119,7 +120,10 @@ def _metrics(summary: dict[str, Any]) -> dict[str, Any]:
         "e2e_p99_s": (m.get("vllm:e2e_request_latency_seconds") or {}).get("p99"),
         "preemptions": (m.get("vllm:num_preemptions") or {}).get("total"),
         "slo_pass": all(v["pass"] for v in summary["slos"].values()),
-        "unfinished": summary["num_requests"] - summary["num_finished"],
+        # Requests not finished, or (a cut open-loop or trace run) not yet arrived.
+        "unfinished": summary["num_requests"]
+        - summary["num_finished"]
+        + summary.get("num_not_arrived", 0),
     }
 
 
@@ -153,11 +157,14 @@ def tune(
     seed: int | None = None,
     on_trial: Callable[[Trial], None] | None = None,
     memory_policies: str | None = None,
+    deployable: bool = False,
 ) -> TuneResult:
     """Run ``budget`` Optuna trials (invalid configs included) and report them.
 
     ``memory_policies``: None searches vLLM's engine knobs only; "exportable" also the
-    CPU offload tier; "all" also the what-ifs vLLM 0.32 lacks (swap, retention)."""
+    CPU offload tier; "all" also the what-ifs vLLM 0.32 lacks (swap, retention).
+    ``deployable`` (the best config will be exported): a trial vLLM could not start on the
+    GPU (a pinned block count its block size or memory share cannot hold) is invalid."""
     import optuna
 
     if objective not in OBJECTIVES:
@@ -218,6 +225,8 @@ def tune(
         try:
             spec = parse_scenario(document, f"{scenario.name} trial {ask.number}")
             check_runnable(spec)
+            if deployable:
+                size_deployable_kv_cache(spec.model, spec.hardware, spec.engine)
         except KvsimConfigError as exc:
             trial.error = str(exc)
             study.tell(ask, state=optuna.trial.TrialState.FAIL)

@@ -19,7 +19,7 @@ from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
 from sim.shape_coverage import ShapeCell, fitted_cells, shape_coverage
 from sim.step_jitter import residual_quantiles
-from sim.step_record import shapes_of_steps
+from sim.step_record import SHAPE_COLUMNS, shapes_of_steps
 from validate.fit import fit_cost_params, steps_since_prefill
 from validate.step_persistence import residual_persistence
 
@@ -154,17 +154,8 @@ class MeasuredRun:
         return cls(run, scenario, shapes, durations_s, after_idle, since, idle_s)
 
 
-# The step columns a fit reads: the batch shape (sim.step_record.shapes_of_steps; runs
-# recorded before shared_kv_tokens read as sharing nothing), start and duration.
-STEP_SHAPE_COLUMNS = (
-    "start_s",
-    "duration_s",
-    "num_prefill_tokens",
-    "num_prefill_reqs",
-    "prefill_attention_pairs",
-    "num_decode_tokens",
-    "decode_context_tokens",
-)
+# The step columns a fit reads: start, duration and the batch shape.
+FIT_STEP_COLUMNS = ("start_s", "duration_s", *SHAPE_COLUMNS)
 
 
 def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
@@ -180,7 +171,7 @@ def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
                 "(written by kvsim validate or kvsim replay), not simulated ones"
             )
     for run in runs:
-        lacking = [c for c in STEP_SHAPE_COLUMNS if c not in run.steps.columns]
+        lacking = [c for c in FIT_STEP_COLUMNS if c not in run.steps.columns]
         if lacking:
             raise KvsimConfigError(
                 f"{run.path / STEPS}: lacks the column(s) {', '.join(lacking)} a fit reads"

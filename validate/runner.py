@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -248,6 +249,19 @@ def unfinished_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:
 
 
 def write_report(report: ValidationReport, path: Path) -> None:
-    """report.json, as strict JSON: NaN or infinity raises ValueError rather than being written
-    as the bare ``NaN``/``Infinity`` that jq, JavaScript and Go reject."""
-    path.write_text(json.dumps(report.to_json(), indent=2, allow_nan=False) + "\n")
+    """report.json, as strict JSON: a figure that is not a number (a step-time ratio or band
+    over no samples) is null, never the bare ``NaN``/``Infinity`` that jq, JavaScript and Go
+    reject (the metric rows say why theirs are: ``relative_error_missing``)."""
+    document = _finite_json(report.to_json())
+    path.write_text(json.dumps(document, indent=2, allow_nan=False) + "\n")
+
+
+def _finite_json(value: Any) -> Any:
+    """``value`` with every float that is not finite replaced by None, at any depth."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {key: _finite_json(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite_json(item) for item in value]
+    return value

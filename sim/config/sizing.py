@@ -155,6 +155,31 @@ def size_kv_cache(model: ModelGeometry, hardware: Hardware, engine: EngineConfig
     )
 
 
+def override_bytes_beyond_memory(sizing: KVSizing, engine: EngineConfig) -> int | None:
+    """The KV bytes a ``num_gpu_blocks_override`` needs when they exceed what the GPU
+    leaves for the KV cache (vLLM would not start), or None when it fits or is not set."""
+    if engine.num_gpu_blocks_override is None:
+        return None
+    needed = engine.num_gpu_blocks_override * sizing.bytes_per_block
+    return needed if needed > sizing.kv_cache_bytes else None
+
+
+def oversized_override_line(
+    model: ModelGeometry, hardware: Hardware, engine: EngineConfig
+) -> str | None:
+    """The what-if line of a ``num_gpu_blocks_override`` beyond the GPU's memory (a larger
+    GPU than the hardware's: vLLM would not start with it), or None."""
+    sizing = size_kv_cache(model, hardware, engine)
+    needed = override_bytes_beyond_memory(sizing, engine)
+    if needed is None:
+        return None
+    return (
+        f"engine.num_gpu_blocks_override={engine.num_gpu_blocks_override}: {_gib(needed)} of "
+        f"KV cache where {hardware.name} leaves {_gib(sizing.kv_cache_bytes)} for it (a larger "
+        "GPU than the hardware's; vLLM would run out of memory at startup)"
+    )
+
+
 def size_deployable_kv_cache(
     model: ModelGeometry, hardware: Hardware, engine: EngineConfig
 ) -> KVSizing:
@@ -169,10 +194,8 @@ def size_deployable_kv_cache(
     """
     sizing = size_kv_cache(model, hardware, engine)
     override = engine.num_gpu_blocks_override
-    if override is None:
-        return sizing
-    needed_bytes = override * sizing.bytes_per_block
-    if needed_bytes > sizing.kv_cache_bytes:
+    needed_bytes = override_bytes_beyond_memory(sizing, engine)
+    if override is not None and needed_bytes is not None:
         fits = sizing.kv_cache_bytes // sizing.bytes_per_block
         raise KvsimConfigError(
             f"engine.num_gpu_blocks_override={override} needs {_gib(needed_bytes)} of KV cache "

@@ -172,12 +172,16 @@ ROUTER_KINDS: tuple[str, ...] = tuple(
 )
 
 
+# Why a fleet is a what-if, the end of every fleet's what-if line.
+ROUTING_WHAT_IF = "(vLLM 0.32 serves one engine; the routing is kvsim's model)"
+
+
 def fleet_what_if(replicas: int, router: str) -> str:
     """The what-if line of a fleet, for the outputs: vLLM serves one engine, and the router
     that spreads the traffic over the replicas is kvsim's model of one."""
     return (
         f"fleet of {replicas} replica{'s' if replicas != 1 else ''} behind a simulated "
-        f"{router} router (vLLM 0.32 serves one engine; the routing is kvsim's model)"
+        f"{router} router {ROUTING_WHAT_IF}"
     )
 
 

@@ -66,7 +66,9 @@ class OpenLoopWorkload(KvsimModel):
         return self.num_requests
 
     def num_clipped(self) -> int:
-        """How many requests a started run cut to fit max_model_len (0 before it starts)."""
+        """How many of the requests submitted so far were cut to fit max_model_len (0 before
+        a run starts). The count lives on this config object, which a run starts and
+        summarises in one process (the simulator, a replay worker, a sweep point)."""
         return stashed(self, "_num_clipped") or 0
 
     def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
@@ -83,16 +85,16 @@ class OpenLoopWorkload(KvsimModel):
             self.shared_prefix_tokens, prompt_lens, output_lens, sink.max_model_len
         )
         clipped = (fitted_prompts < prompt_lens) | (fitted_outputs < output_lens)
-        stash(self, "_num_clipped", int(np.count_nonzero(clipped)))
-        prompt_lens, output_lens = fitted_prompts, fitted_outputs
+        stash(self, "_num_clipped", 0)  # counted as they are submitted: a cut run sends fewer
         sink.env.process(
             self._submit_all(
                 sink,
                 TokenSource(token_rng, self.vocab_size),
                 times_s,
-                prompt_lens,
-                output_lens,
+                fitted_prompts,
+                fitted_outputs,
                 class_ids,
+                clipped,
             )
         )
 
@@ -104,20 +106,24 @@ class OpenLoopWorkload(KvsimModel):
         prompt_lens: np.ndarray,
         output_lens: np.ndarray,
         class_ids: np.ndarray,
+        clipped: np.ndarray,
     ) -> Generator[Any, Any, None]:
         env = sink.env
         prefix = Context(sink.block_size, tokens.take(self.shared_prefix_tokens))
-        for i, (t_s, prompt_len, output_len, class_id) in enumerate(
+        for i, (t_s, prompt_len, output_len, class_id, cut) in enumerate(
             zip(
                 times_s.tolist(),
                 prompt_lens.tolist(),
                 output_lens.tolist(),
                 class_ids.tolist(),
+                clipped.tolist(),
                 strict=True,
             )
         ):
             if t_s > env.now:
                 yield env.timeout(t_s - env.now)
+            if cut:
+                stash(self, "_num_clipped", self.num_clipped() + 1)
             unique = tokens.take(prompt_len)
             outputs = tokens.take(output_len)
             cls = self.priority_classes[class_id]

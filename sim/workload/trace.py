@@ -305,7 +305,7 @@ class TraceWorkload(KvsimModel):
 
     @model_validator(mode="after")
     def _check_format(self) -> TraceWorkload:
-        trace_format(self.path, self.format)  # no I/O: the suffix alone
+        trace_format(self.path, self.format)  # the suffix (a stat only when it has none)
         return self
 
     def records(self) -> list[TraceRecord]:

@@ -159,6 +159,11 @@ def test_cli_errors_are_one_paragraph(args: list[str], message: str) -> None:
     assert message in " ".join(result.output.split()) and "Traceback" not in result.output
 
 
+def test_requests_that_had_not_arrived_at_the_limit_mean_the_load_does_not_hold() -> None:
+    point = load_point(3, {**fake_summary(0.1), "num_not_arrived": 2})
+    assert not point.holds and point.failed == ["2 requests had not arrived at the limit"]
+
+
 def test_an_slo_without_a_value_fails_the_load_with_a_message() -> None:
     summary = fake_summary(0.1)
     summary["slos"]["itl_p99_s"] = {"target": 0.1, "value": None, "pass": False}

@@ -128,6 +128,9 @@ def test_list_runs_ignores_hidden_partial_even_with_a_summary(tmp_path: Path) ->
         ({"slos": [1]}, "slos = [1]: expected an object of SLOs"),
         ({"metrics": None}, "summary.json has no metrics: not a kvsim run summary"),
         ({"truncated_at_limit": True, "num_unfinished": None}, "truncated_at_limit without"),
+        ({"requests_clipped": "6"}, "requests_clipped = '6': expected a count"),
+        ({"what_if": "swap"}, "what_if = 'swap': expected a list of text"),
+        ({"fleet": {"replicas": "4"}}, "expected replicas, a count"),
     ],
 )
 def test_a_summary_without_kvsims_types_is_refused_naming_the_field(

@@ -12,7 +12,7 @@ import pytest
 
 from sim.config.calibration import shipped_profile
 from sim.cost_model import CostModel, CostParams
-from sim.report import truncation_line
+from sim.report import too_long_line, truncation_line
 from sim.results import load_run, write_run
 from sim.runner import simulate
 from sim.scenario import DEFAULT_SCENARIO, load_scenario, parse_scenario
@@ -155,6 +155,13 @@ def test_a_cut_open_loop_run_counts_the_requests_that_had_not_arrived() -> None:
     assert "not yet arrived" in line and f"{20 - arrived:,}" in line
     whole = simulate(parse_scenario(open_loop_scenario(), "theory")).summary
     assert "num_not_arrived" not in whole
+    # Prompts too long for max_model_len are cut as they are sent: only those counted.
+    long = open_loop_scenario(prompt_tokens={"kind": "fixed", "value": 9000})
+    cut = simulate(parse_scenario({**long, "limits": {"max_duration_s": 600}}, "t")).summary
+    assert cut["requests_clipped"] == cut["num_requests"] < 20
+    assert f"cut {cut['num_requests']} of its {cut['num_requests']} requests" in str(
+        too_long_line(cut)
+    )
 
 
 def _run_cli(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

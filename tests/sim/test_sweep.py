@@ -27,6 +27,7 @@ from sim.sweep import (
     plan_sweep,
     run_sweep,
     sweep_lock,
+    unfinished_points,
 )
 from tests.dashboard.test_launch import default_sigint
 
@@ -308,3 +309,19 @@ def test_zero_workers_is_refused(tmp_path: Path) -> None:
     code, text = run(*sweep_args(tmp_path / "s", "--workers", "0"))
     assert code == 2 and "--workers 0: must be at least 1" in text
     assert not (tmp_path / "s").exists()
+
+
+def test_a_point_whose_cut_run_left_requests_unsent_is_unfinished() -> None:
+    table = pd.DataFrame(
+        {
+            "status": ["ok", "ok", "ok", "failed"],
+            "num_requests": [10, 10, 6, 0],
+            "num_finished": [10, 9, 6, 0],
+            "num_not_arrived": [None, None, 4, None],  # an open-loop run cut before 4 arrived
+        }
+    )
+    assert list(unfinished_points(table)) == [False, True, True, False]
+    # Tables written before the column existed.
+    assert list(unfinished_points(table.drop(columns="num_not_arrived"))) == [
+        False, True, False, False,
+    ]  # fmt: skip

@@ -349,3 +349,16 @@ def test_cli_a_what_if_scenario_tuned_over_exportable_policies(tmp_path: Path) -
     assert "vllm serve" in serve.read_text()
     text = " ".join(result.output.split())
     assert """--set 'engine.kv_retention={"policy": "none"}'""" in text
+
+
+def test_a_search_for_export_leaves_out_configs_vllm_could_not_start() -> None:
+    """20,000 pinned blocks take 39 GiB of KV at block size 16 on the H100, 78 GiB at 32:
+    exported, only the 16-token trials may run."""
+    spec = load_scenario(BURST, [*SMALL, "engine.num_gpu_blocks_override=20000"])
+    free = tune(spec, "goodput", 8, fake_summary)
+    assert any(t.state != "invalid" and t.params["block_size"] > 16 for t in free.trials)
+    export = tune(spec, "goodput", 8, fake_summary, deployable=True)
+    ran = [t for t in export.trials if t.state != "invalid"]
+    assert ran and all(t.params["block_size"] == 16 for t in ran)
+    refused = [t for t in export.trials if t.params["block_size"] > 16]
+    assert refused and all("num_gpu_blocks_override=20000" in (t.error or "") for t in refused)
