@@ -240,7 +240,7 @@ def sweep(
         f"{ran} of {len(table)} points ran"
         + (
             f" ({cut} hit limits.max_duration_s with requests unfinished: their latencies "
-            "leave those out, see num_finished)"
+            "leave those out, see num_finished and num_not_arrived)"
             if cut
             else ""
         )
