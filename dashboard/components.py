@@ -10,7 +10,7 @@ import streamlit as st
 from dashboard.loaders import list_runs
 from dashboard.tables import engine_frame, headline, latency_frame, slo_frame
 from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, TTFT
-from sim.report import partial_run_line, too_long_line, what_if_lines
+from sim.report import partial_lines, what_if_lines
 
 MS_FORMAT = st.column_config.NumberColumn(format="%.1f")
 
@@ -29,9 +29,8 @@ def _pct(value: float | None) -> str:
 def show_summary(summary: dict[str, Any], key: str) -> None:
     """Headline metrics, latency table, engine table and SLO verdicts of one run."""
     st.markdown(f"**{headline(summary)}**")
-    for partial in (partial_run_line(summary, "The run"), too_long_line(summary, "The run")):
-        if partial:
-            st.warning(f"{partial}.")
+    for partial in partial_lines(summary, "The run"):
+        st.warning(f"{partial}.")
     if what_if := what_if_lines(summary):
         st.info(
             "What-if: this run models what vLLM 0.32 does not run as configured; those parts "

@@ -68,10 +68,9 @@ def run(
     from sim.config.sizing import kv_cache_summary
     from sim.report import (
         band_table,
+        partial_lines,
         step_time_source,
         summary_table,
-        too_long_line,
-        truncation_line,
         what_if_line,
     )
     from sim.results import claim_new_run_dir, claim_run_dir, release_claim
@@ -171,9 +170,8 @@ def run(
             release_claim(out_dir)
         raise
     console.print(summary_table(result.summary))
-    for partial in (truncation_line(result.summary), too_long_line(result.summary)):
-        if partial:
-            err_console.print(f"[yellow]{partial}[/yellow]", highlight=False)
+    for partial in partial_lines(result.summary):
+        err_console.print(f"[yellow]{partial}[/yellow]", highlight=False)
     if what_if := what_if_line(result.summary):
         err_console.print(f"[cyan]{what_if}[/cyan]", highlight=False)
     per_replica = " per replica" if spec.fleet is not None else ""
@@ -241,11 +239,11 @@ def dashboard(
 
 
 def _register_rollout_commands() -> None:
-    from sim import rollout_commands
+    from sim import rollout_commands, tune_commands
 
     app.command("sweep")(rollout_commands.sweep)
     app.command("capacity")(rollout_commands.capacity)
-    app.command("tune")(rollout_commands.tune_cmd)
+    app.command("tune")(tune_commands.tune_cmd)
     app.command("export")(rollout_commands.export_cmd)
 
 

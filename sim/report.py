@@ -73,6 +73,13 @@ def too_long_line(summary: dict[str, Any], subject: str = "the run") -> str | No
     return None
 
 
+def partial_lines(summary: dict[str, Any], subject: str = "the run") -> list[str]:
+    """Every reason a run's figures are not the whole workload's, one line each: a failed or
+    cut run (:func:`partial_run_line`), a workload changed to fit (:func:`too_long_line`)."""
+    lines = (partial_run_line(summary, subject), too_long_line(summary, subject))
+    return [line for line in lines if line]
+
+
 def what_if_lines(summary: dict[str, Any]) -> list[str]:
     """What a run modelled that vLLM 0.32 does not run as configured, one line each: the
     memory policies under ``what_if`` and a fleet's router (``fleet``); empty for a run of

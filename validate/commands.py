@@ -12,7 +12,7 @@ from rich.table import Table
 
 from sim.console import console, err_console, fail
 from sim.errors import KvsimConfigError
-from sim.report import partial_run_line, too_long_line, what_if_line
+from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
 from validate.engine_args import engine_kwargs, resolve_model_dir
@@ -487,12 +487,8 @@ def compare_cmd(
     rows = compare_summaries(a.summary, b.summary)
     console.print(error_table(rows, f"{run_a} vs {run_b}", a.label, b.label))
     for run, path in ((a, run_a), (b, run_b)):
-        for note in (
-            partial_run_line(run.summary, str(path)),
-            too_long_line(run.summary, str(path)),
-        ):
-            if note:
-                err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
+        for note in partial_lines(run.summary, str(path)):
+            err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
         if what_if := what_if_line(run.summary, str(path)):
             err_console.print(f"[cyan]{what_if}[/cyan]", highlight=False)
     if out is not None:

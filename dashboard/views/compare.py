@@ -24,7 +24,7 @@ with st.spinner("Loading..."):
     from dashboard.loaders import RunView, list_runs, load_view
     from dashboard.locations import runs_dir
     from dashboard.tables import comparison_frame
-    from sim.report import partial_run_line, too_long_line, what_if_line
+    from sim.report import partial_lines, what_if_line
     from validate.compare import compare_summaries
 
 base = runs_dir()
@@ -76,12 +76,8 @@ with guard("comparing " + ", ".join(str(Path(v.path).name) for v in views)):
         + (" Further runs appear in the charts only." if len(views) > 2 else "")
     )
     for v, label in zip(views, labels, strict=True):
-        for partial in (
-            partial_run_line(v.summary, f"**{label}**"),
-            too_long_line(v.summary, f"**{label}**"),
-        ):
-            if partial:
-                st.warning(f"{partial}.")
+        for partial in partial_lines(v.summary, f"**{label}**"):
+            st.warning(f"{partial}.")
         if what_if := what_if_line(v.summary, f"**{label}**"):
             st.info(f"{what_if}.")
     table = comparison_frame(compare_summaries(value.summary, reference.summary))

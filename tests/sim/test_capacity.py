@@ -114,14 +114,16 @@ def test_cli_finds_the_capacity_and_writes_the_curve(tmp_path: Path) -> None:
     assert document["what_if"] == [] and "what-if" not in result.output
 
 
+def small_capacity(*args: str) -> Any:
+    """``kvsim capacity`` of 4 two-turn agent sessions at a 0.25 s p99 TTFT, and ``args``."""
+    base = ["capacity", str(BURST), "--set", "workload.sessions=4", "--set",
+            "workload.turns.value=2", "--slo", "ttft_p99_s=0.25"]  # fmt: skip
+    return runner.invoke(app, [*base, *args])
+
+
 def test_a_capacity_under_a_what_if_policy_says_so(tmp_path: Path) -> None:
     out = tmp_path / "cap"
-    result = runner.invoke(
-        app,
-        ["capacity", str(BURST), "--set", "workload.sessions=4", "--set", "workload.turns.value=2",
-         "--set", "engine.kv_retention.policy=tool_latency", "--slo", "ttft_p99_s=0.25",
-         "--out", str(out)],
-    )  # fmt: skip
+    result = small_capacity("--set", "engine.kv_retention.policy=tool_latency", "--out", str(out))
     assert result.exit_code == 0, result.output
     (line,) = json.loads((out / "capacity.json").read_text())["what_if"]
     assert line.startswith("kv_retention: tool_latency")
@@ -131,11 +133,9 @@ def test_a_capacity_under_a_what_if_policy_says_so(tmp_path: Path) -> None:
 
 def test_cli_exports_the_deployment_it_sized(tmp_path: Path) -> None:
     serve = tmp_path / "serve.sh"
-    result = runner.invoke(
-        app,
-        ["capacity", str(BURST), "--set", "workload.sessions=4", "--set", "workload.turns.value=2",
-         "--set", "engine.max_num_seqs=64", "--slo", "ttft_p99_s=0.25",
-         "--export-format", "vllm-args", "--export-out", str(serve)],
+    result = small_capacity(
+        "--set", "engine.max_num_seqs=64", "--export-format", "vllm-args", "--export-out",
+        str(serve),
     )  # fmt: skip
     assert result.exit_code == 0, result.output
     assert "--max-num-seqs 64" in serve.read_text()
