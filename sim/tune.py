@@ -370,6 +370,10 @@ def _evaluate(
         top = next(p for p in result.curve if p.load == result.capacity)
         trial.metrics = {
             "capacity": result.capacity,
+            "capacity_unit": result.knob.unit,
+            # Every load tried held, up to the knob's ceiling: the search's bound, not the
+            # config's (trials there tie; more load or tighter SLOs would part them).
+            "capacity_at_ceiling": result.first_failing is None,
             "output_throughput_tok_s": top.output_throughput_tok_s,
             "ttft_p99_s": top.ttft_p99_s,
             "itl_p99_s": top.itl_p99_s,

@@ -108,7 +108,7 @@ def tune_cmd(
         def progress(trial: object) -> None:
             t = trial  # a sim.tune.Trial
             if t.state == "ok":
-                what = f"{objective} {t.objective:.4g}"
+                what = f"{objective} {t.objective:.4g}{capacity_unit(t.metrics)}"
             elif t.state == "infeasible":  # its objective may be missing
                 what = f"infeasible: {t.error or 'misses an SLO'}"
             else:
@@ -167,10 +167,19 @@ def tune_cmd(
     policy = "" if best.policy is None else f" (memory policy: {best.policy})"
     which = f" ({best.baseline})" if best.baseline else ""
     console.print(
-        f"best: trial {best.number}{which}, {objective} = {best.objective:.4g}{policy}; "
+        f"best: trial {best.number}{which}, {objective} = {best.objective:.4g}"
+        f"{capacity_unit(best.metrics)}{policy}; "
         + " ".join(f"--set {shlex.quote(o)}" for o in overrides(base_engine, best)),
         highlight=False,
     )
+    if best.metrics.get("capacity_at_ceiling"):
+        err_console.print(
+            f"[yellow]every load the capacity search tried held, up to its ceiling "
+            f"({best.objective:g} {best.metrics['capacity_unit']}): that is the search's "
+            "bound, not this config's, and trials there tie; raise the load or tighten "
+            "the SLOs to tell configs apart[/yellow]",
+            highlight=False,
+        )
     if what_if := best_spec.what_ifs():
         err_console.print(
             f"[cyan]the best config is a what-if, not vLLM 0.32's own behaviour: "
@@ -196,3 +205,10 @@ def tune_cmd(
                 console.print(f"wrote {file}", highlight=False)
         except (KvsimConfigError, OSError) as exc:
             raise fail(f"the search finished, but the export failed: {exc}") from None
+
+
+def capacity_unit(metrics: dict[str, object]) -> str:
+    """` UNIT` after a max-sessions trial's objective (the load the capacity search
+    turned: sessions at once, sessions/s, requests/s), '' for the other objectives."""
+    unit = metrics.get("capacity_unit")
+    return f" {unit}" if unit else ""

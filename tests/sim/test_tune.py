@@ -260,6 +260,27 @@ def test_max_sessions_runs_a_capacity_search_per_trial() -> None:
     for t in ran:
         assert t.objective == 10 * t.params["max_num_seqs"] // 64
     assert result.best is not None and result.best.objective == max(t.objective for t in ran)
+    assert all(t.metrics["capacity_unit"] == "concurrent sessions" for t in ran)
+    assert not any(t.metrics["capacity_at_ceiling"] for t in ran)
+
+
+class FakeRun:
+    def __init__(self, spec: Scenario) -> None:
+        self.summary = fake_summary(spec)
+
+
+def test_max_sessions_says_when_every_load_held_up_to_the_searchs_ceiling(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Every load holds (prefix caching on): each capacity search doubles up to the knob's
+    # ceiling, where every trial ties; the CLI must say that is the search's bound.
+    monkeypatch.setattr("sim.runner.simulate", FakeRun)
+    args = ["tune", str(BURST), "--objective", "max-sessions", "--budget", "2"]
+    result = runner.invoke(app, [*args, "--set", "engine.enable_prefix_caching=true"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "max-sessions = 1e+05 concurrent sessions" in text
+    assert "every load the capacity search tried held, up to its ceiling" in text
 
 
 def test_memory_policies_are_searched_as_a_policy_with_its_size() -> None:
