@@ -191,8 +191,8 @@ def simulate(
             replica.engine.cut_by_submits = True
     workload = build_workload(scenario.workload, scenario.seed)
     rng = np.random.default_rng(scenario.seed)
-    workload.start(dispatcher or replicas[0].engine, rng)
-    expected = workload.expected_num_requests()
+    workload_run = workload.start(dispatcher or replicas[0].engine, rng)
+    expected = workload_run.planned_requests
 
     limit_s = scenario.limits.max_duration_s
     for replica in replicas:
@@ -243,6 +243,7 @@ def simulate(
         scenario,
         requests,
         steps,
+        workload_run=workload_run,
         complete=True,
         truncated_at_limit=truncated,
         duration_s=duration_s,

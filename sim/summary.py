@@ -15,6 +15,7 @@ import pandas as pd
 
 from sim.metrics import summarize, swap_summary
 from sim.scenario import Scenario
+from sim.workload.base import WorkloadRun
 from sim.workload.open_loop import OpenLoopWorkload
 from sim.workload.trace import TraceWorkload
 
@@ -25,6 +26,7 @@ def build_summary(
     requests: pd.DataFrame,
     steps: pd.DataFrame,
     *,
+    workload_run: WorkloadRun,
     complete: bool,
     truncated_at_limit: bool,
     duration_s: float,
@@ -33,22 +35,18 @@ def build_summary(
 ) -> dict[str, Any]:
     """The summary of a run of ``scenario`` over ``duration_s`` seconds.
 
-    ``kv_cache`` is written as is and must hold ``block_size``; ``num_usable_blocks`` (the
-    null block excluded) is what KV usage is a share of.
+    ``workload_run`` is what the workload's ``start`` returned for this run. ``kv_cache`` is
+    written as is and must hold ``block_size``; ``num_usable_blocks`` (the null block
+    excluded) is what KV usage is a share of.
     """
     num_finished = int(requests["finish_s"].notna().sum())
-    workload = scenario.workload
-    skipped = (
-        workload.num_skipped(scenario.engine.max_model_len)
-        if isinstance(workload, TraceWorkload)
-        else 0
-    )
-    clipped = workload.num_clipped() if isinstance(workload, OpenLoopWorkload) else 0
+    skipped = workload_run.trace_rows_skipped
+    clipped = workload_run.requests_clipped
     # A cut open-loop or trace run: the requests its workload planned that never arrived (an
     # agent session's count is not known in advance: it ends when its context no longer fits).
     not_arrived = 0
-    if truncated_at_limit and isinstance(workload, OpenLoopWorkload | TraceWorkload):
-        not_arrived = max(0, (workload.expected_num_requests() or 0) - len(requests))
+    if truncated_at_limit and isinstance(scenario.workload, OpenLoopWorkload | TraceWorkload):
+        not_arrived = max(0, (workload_run.planned_requests or 0) - len(requests))
     # Only what-if runs carry the key, so the vLLM-exact engine's summaries stay as they were.
     what_if = scenario.engine_what_ifs()
     return {

@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Generator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -29,7 +29,7 @@ from sim.request import Request
 from sim.scenario import Scenario
 from sim.step_record import step_record
 from sim.workload import build_workload
-from sim.workload.base import RequestMeta, SinkBase
+from sim.workload.base import RequestMeta, SinkBase, WorkloadRun
 from validate.engine_args import engine_kwargs
 
 if TYPE_CHECKING:  # importing it imports vLLM, which kvsim needs only to replay
@@ -49,6 +49,8 @@ class ReplayResult:
     # The workload was still running at limits.max_duration_s, where the replay stopped (as
     # the simulator does): requests in flight or still to come are left out of the records.
     truncated_at_limit: bool = False
+    # What the workload planned and changed to fit (requests clipped, trace rows skipped).
+    workload_run: WorkloadRun = field(default_factory=WorkloadRun)
 
 
 class VllmSink(SinkBase):
@@ -228,7 +230,7 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
     env = simpy.rt.RealtimeEnvironment(factor=1.0, strict=False)
     sink = VllmSink(env, engine, scenario, recorder)
     workload = build_workload(scenario.workload, scenario.seed)
-    workload.start(sink, np.random.default_rng(scenario.seed))
+    workload_run = workload.start(sink, np.random.default_rng(scenario.seed))
     limit_s = scenario.limits.max_duration_s
     truncated = False
     while sink.error is None:
@@ -253,4 +255,5 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
         num_blocks,
         dtype,
         truncated,
+        workload_run,
     )

@@ -50,6 +50,7 @@ def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]
         scenario,
         result.recorder.requests_frame(),
         result.recorder.steps_frame(),
+        workload_run=result.workload_run,
         complete=result.error is None,
         truncated_at_limit=result.truncated_at_limit,
         duration_s=result.duration_s,

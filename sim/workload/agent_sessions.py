@@ -23,7 +23,7 @@ from sim.config.limits import (
     KvsimModel,
 )
 from sim.request import Request
-from sim.workload.base import RequestMeta, RequestSink, SessionHint
+from sim.workload.base import RequestMeta, RequestSink, SessionHint, WorkloadRun
 from sim.workload.distributions import (
     DEFAULT_PRIORITY_CLASSES,
     ArrivalProcess,
@@ -36,8 +36,6 @@ from sim.workload.distributions import (
     PriorityClass,
     PriorityClasses,
     sample_priority_classes,
-    stash,
-    stashed,
 )
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
@@ -124,18 +122,16 @@ class AgentSessionsWorkload(KvsimModel):
         return self
 
     def expected_num_requests(self) -> int | None:
-        """Sum of the sessions' turns (before start: only if turns are fixed); None with
-        fan-out. Sessions cut short by max_context_tokens submit fewer."""
+        """Sum of the sessions' turns, known before a run only if turns are fixed (a run's
+        own count is its :class:`WorkloadRun`); None with fan-out. Sessions cut short by
+        max_context_tokens submit fewer."""
         if self.fanout is not None:
             return None
-        planned = stashed(self, "_num_planned_requests")
-        if planned is not None:
-            return planned
         if isinstance(self.turns, FixedLength):
             return self.sessions * self.turns.value
         return None
 
-    def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
+    def start(self, sink: RequestSink, rng: np.random.Generator) -> WorkloadRun:
         """Plan sessions (start time, turns, class) and spawn one SimPy process per session."""
         # One child generator per session: a session's tokens, lengths and tool latencies do
         # not depend on how the engine interleaves sessions, so two engine configs run with the
@@ -144,8 +140,6 @@ class AgentSessionsWorkload(KvsimModel):
         start_times_s = self.session_arrival.arrival_times(plan_rng, self.sessions)
         num_turns = self.turns.sample(plan_rng, self.sessions)
         class_ids = sample_priority_classes(plan_rng, self.priority_classes, self.sessions)
-        # Turn counts are only known once drawn: kept for progress bars (last start wins).
-        stash(self, "_num_planned_requests", int(num_turns.sum()))
         shared = TokenSource(prefix_rng, self.vocab_size).take(
             self.system_prompt_tokens + self.tool_schema_tokens
         )
@@ -163,6 +157,9 @@ class AgentSessionsWorkload(KvsimModel):
                     session_rngs[session_id],
                 )
             )
+        # Turn counts are only known once drawn (sessions cut short by max_context_tokens
+        # submit fewer); a fan-out's sub-calls are not counted in advance.
+        return WorkloadRun(None if self.fanout is not None else int(num_turns.sum()))
 
     def _session(
         self,

@@ -71,15 +71,30 @@ class RequestSink(Protocol):
         ...
 
 
+@dataclass
+class WorkloadRun:
+    """One run of a workload: what it planned and what it changed to fit the engine. ``start``
+    returns it and the workload's processes update it as they submit; the summary reads it.
+    Per run, never on the (shared, frozen) workload config."""
+
+    # The requests this run will submit, when known (progress bars; the requests a cut run
+    # never sent). None for agent sessions with fan-out.
+    planned_requests: int | None = None
+    # Requests submitted so far whose prompt or output was cut to fit max_model_len.
+    requests_clipped: int = 0
+    # Trace rows left out as too long for max_model_len (``on_too_long: skip``).
+    trace_rows_skipped: int = 0
+
+
 class Workload(Protocol):
     """A traffic source. ``start`` is called once, at simulated time 0."""
 
-    def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
+    def start(self, sink: RequestSink, rng: np.random.Generator) -> WorkloadRun:
         """Spawn the SimPy processes that submit this workload's requests."""
         ...
 
     def expected_num_requests(self) -> int | None:
-        """How many requests the workload will submit, if known (for progress bars)."""
+        """How many requests the workload will submit, if known before a run starts."""
         ...
 
 

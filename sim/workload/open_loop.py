@@ -10,7 +10,7 @@ from pydantic import Field
 
 from sim.config.limits import MAX_REQUESTS, MAX_TOKENS, MAX_VOCAB_SIZE, KvsimModel
 from sim.request import Request
-from sim.workload.base import RequestMeta, RequestSink
+from sim.workload.base import RequestMeta, RequestSink, WorkloadRun
 from sim.workload.distributions import (
     DEFAULT_PRIORITY_CLASSES,
     ArrivalProcess,
@@ -19,8 +19,6 @@ from sim.workload.distributions import (
     PoissonArrivals,
     PriorityClasses,
     sample_priority_classes,
-    stash,
-    stashed,
 )
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
 
@@ -65,13 +63,7 @@ class OpenLoopWorkload(KvsimModel):
         """Exactly ``num_requests``."""
         return self.num_requests
 
-    def num_clipped(self) -> int:
-        """How many of the requests submitted so far were cut to fit max_model_len (0 before
-        a run starts). The count lives on this config object, which a run starts and
-        summarises in one process (the simulator, a replay worker, a sweep point)."""
-        return stashed(self, "_num_clipped") or 0
-
-    def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
+    def start(self, sink: RequestSink, rng: np.random.Generator) -> WorkloadRun:
         """Plan every request's time, lengths and class now; submit them from one process."""
         # Children, not ``rng`` itself: the token stream must not depend on who else draws
         # from the run's generator while the simulation runs.
@@ -85,10 +77,11 @@ class OpenLoopWorkload(KvsimModel):
             self.shared_prefix_tokens, prompt_lens, output_lens, sink.max_model_len
         )
         clipped = (fitted_prompts < prompt_lens) | (fitted_outputs < output_lens)
-        stash(self, "_num_clipped", 0)  # counted as they are submitted: a cut run sends fewer
+        run = WorkloadRun(n)  # clipped requests are counted as submitted: a cut run sends fewer
         sink.env.process(
             self._submit_all(
                 sink,
+                run,
                 TokenSource(token_rng, self.vocab_size),
                 times_s,
                 fitted_prompts,
@@ -97,10 +90,12 @@ class OpenLoopWorkload(KvsimModel):
                 clipped,
             )
         )
+        return run
 
     def _submit_all(
         self,
         sink: RequestSink,
+        run: WorkloadRun,
         tokens: TokenSource,
         times_s: np.ndarray,
         prompt_lens: np.ndarray,
@@ -123,7 +118,7 @@ class OpenLoopWorkload(KvsimModel):
             if t_s > env.now:
                 yield env.timeout(t_s - env.now)
             if cut:
-                stash(self, "_num_clipped", self.num_clipped() + 1)
+                run.requests_clipped += 1
             unique = tokens.take(prompt_len)
             outputs = tokens.take(output_len)
             cls = self.priority_classes[class_id]

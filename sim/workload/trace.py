@@ -33,7 +33,7 @@ from sim.config.limits import (
 from sim.config.loading import read_text
 from sim.errors import KvsimConfigError, short_repr
 from sim.request import Request
-from sim.workload.base import RequestMeta, RequestSink
+from sim.workload.base import RequestMeta, RequestSink, WorkloadRun
 from sim.workload.distributions import stash, stashed
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, HashIdTokens, TokenSource
 
@@ -329,15 +329,12 @@ class TraceWorkload(KvsimModel):
         dropped with ``on_too_long: skip``)."""
         return [r for r in self.replayed() if r.input_length + r.output_length > max_model_len]
 
-    def num_skipped(self, max_model_len: int) -> int:
-        """How many replayed rows a run drops as too long (0 unless ``on_too_long: skip``)."""
-        return len(self.too_long(max_model_len)) if self.on_too_long == "skip" else 0
-
     def expected_num_requests(self) -> int | None:
-        """The number of rows replayed, less those a started run dropped as too long."""
-        return len(self.replayed()) - (stashed(self, "_num_skipped") or 0)
+        """The number of rows replayed (a run leaves out those too long for its engine's
+        max_model_len with ``on_too_long: skip``: its :class:`WorkloadRun` says how many)."""
+        return len(self.replayed())
 
-    def start(self, sink: RequestSink, rng: np.random.Generator) -> None:
+    def start(self, sink: RequestSink, rng: np.random.Generator) -> WorkloadRun:
         """Read the trace and spawn one process that submits its rows in timestamp order."""
         records = self.replayed()
         too_long = self.too_long(sink.max_model_len)
@@ -350,7 +347,6 @@ class TraceWorkload(KvsimModel):
             )
         if too_long:
             records = [r for r in records if r.input_length + r.output_length <= sink.max_model_len]
-        stash(self, "_num_skipped", len(too_long))
         seed_rng, token_rng = rng.spawn(2)
         blocks = HashIdTokens(
             int(seed_rng.integers(2**63)), self.hash_block_tokens, self.vocab_size
@@ -358,6 +354,7 @@ class TraceWorkload(KvsimModel):
         sink.env.process(
             self._replay(sink, records, blocks, TokenSource(token_rng, self.vocab_size))
         )
+        return WorkloadRun(len(records), trace_rows_skipped=len(too_long))
 
     def _replay(
         self,

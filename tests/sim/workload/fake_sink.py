@@ -10,7 +10,7 @@ import numpy as np
 import simpy
 
 from sim.request import Request
-from sim.workload.base import RequestMeta, Workload
+from sim.workload.base import RequestMeta, Workload, WorkloadRun
 
 
 @dataclass
@@ -37,6 +37,8 @@ class FakeSink:
     emit_outputs: bool = True
     env: simpy.Environment = field(default_factory=simpy.Environment)
     submissions: list[Submission] = field(default_factory=list)
+    # What the workload's start returned (run_workload sets it).
+    workload_run: WorkloadRun | None = None
 
     def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
         submission = Submission(request, meta, self.env.now)
@@ -61,7 +63,7 @@ class FakeSink:
 def run_workload(workload: Workload, seed: int = 0, **sink_args: Any) -> FakeSink:
     """Start ``workload`` against a fresh fake sink, run to completion, return the sink."""
     sink = FakeSink(**sink_args)
-    workload.start(sink, np.random.default_rng(seed))
+    sink.workload_run = workload.start(sink, np.random.default_rng(seed))
     sink.env.run()
     return sink
 

@@ -92,6 +92,11 @@ def test_lengths_clipped_to_max_model_len():
         r = s.request
         assert r.num_prompt_tokens + r.max_tokens <= 64 and r.num_prompt_tokens > 10
         assert r.max_tokens >= 1
+    # Every prompt (10 + 100 tokens) was cut: counted on the run's record, not the config.
+    assert sink.workload_run is not None
+    assert sink.workload_run.requests_clipped == len(sink.submissions) > 0
+    roomy = run_workload(workload, max_model_len=4096)
+    assert roomy.workload_run is not None and roomy.workload_run.requests_clipped == 0
     with pytest.raises(ValueError, match="shared_prefix_tokens=63 leaves no room"):
         run_workload(make_open_loop(shared_prefix_tokens=63), max_model_len=64)
 

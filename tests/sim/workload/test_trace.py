@@ -196,6 +196,12 @@ def test_rows_longer_than_max_model_len(tmp_path):
         r"exceeds max_model_len=31 \(1 such rows",
     ):
         run_workload(make_trace(path), max_model_len=31)
-    sink = run_workload(make_trace(path, on_too_long="skip"), max_model_len=31)
+    workload = make_trace(path, on_too_long="skip")
+    sink = run_workload(workload, max_model_len=31)
     assert [s.request.num_prompt_tokens for s in sink.submissions] == [20, 12]
-    assert make_trace(path).expected_num_requests() == 3
+    assert sink.workload_run is not None
+    assert (sink.workload_run.planned_requests, sink.workload_run.trace_rows_skipped) == (2, 1)
+    # Per run, not on the config: the same config with room for every row skips none.
+    again = run_workload(workload, max_model_len=64)
+    assert again.workload_run is not None and again.workload_run.trace_rows_skipped == 0
+    assert workload.expected_num_requests() == 3
