@@ -63,15 +63,16 @@ def format_validation_error(exc: pydantic.ValidationError, source: str) -> str:
     """Render every error of ``exc`` in one line: ``source: path = value: message; ...``.
 
     ``source`` names where the input came from (a file name, ``--engine``). A missing field
-    shows no value (its input would be the enclosing dict); a model-level check with an empty
-    path shows only its message. At most a few errors are listed, then how many more.
+    shows no value (its input would be the enclosing dict), nor does a section-level check
+    (its input is the whole section: its message names the fields); a model-level check with
+    an empty path shows only its message. At most a few errors are listed, then how many more.
     """
     parts = []
     errors = exc.errors(include_url=False)
     for error in errors[:_MAX_ERRORS]:
         message = _bounded(str(error["msg"]).removeprefix(_VALUE_ERROR_PREFIX))
         path = _bounded(_format_loc(error["loc"]), 120)
-        if error["type"] == "missing":
+        if error["type"] == "missing" or (path and isinstance(error["input"], dict)):
             parts.append(f"{path}: {message}")
         elif path:
             parts.append(f"{path} = {_format_input(error['input'])}: {message}")

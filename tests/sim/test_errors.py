@@ -87,3 +87,24 @@ def test_many_errors_are_capped():
         Many.model_validate({f"k{i}": i for i in range(50)})
     text = format_validation_error(info.value, "s.yaml")
     assert text.count("Extra inputs are not permitted") == 6 and text.endswith("and 44 more")
+
+
+class SectionChecked(BaseModel):
+    engine: "SectionEngine"
+
+
+class SectionEngine(Engine):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_booleans(cls, data):
+        if data.get("max_num_seqs") is True:
+            raise ValueError("max_num_seqs = True: a number is needed")
+        return data
+
+
+def test_a_section_level_check_names_the_section_not_its_whole_input():
+    # Its input is the whole section: the message names the field; the section is not dumped.
+    with pytest.raises(ValidationError) as info:
+        SectionChecked.model_validate({"engine": {"max_num_seqs": True, "block_size": 16}})
+    text = format_validation_error(info.value, "s.yaml")
+    assert text == "s.yaml: engine: max_num_seqs = True: a number is needed"
