@@ -10,7 +10,8 @@ Lanes (markers declared in pyproject.toml):
 - ``slow``: minutes of simulation (the shipped scenarios at full size). Runs with ``--full``
   or when ``CI`` is set; skipped otherwise (the fast lane runs scaled-down copies instead).
 
-``CI`` counts as set unless it is empty, ``0`` or ``false``.
+``CI`` counts as set unless it is empty, ``0`` or ``false``; a CI run also lists its slowest
+tests (``--durations``).
 """
 
 from __future__ import annotations
@@ -50,6 +51,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="also run the tests marked slow (the shipped scenarios at full size); "
         "on by default when CI is set",
     )
+
+
+# CI's limit is 90 minutes on a 2-core machine: its log lists the slowest tests, so where the
+# time goes is known before it runs out (unless --durations is given).
+CI_DURATIONS = 25
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if in_ci() and not config.option.durations:
+        config.option.durations = CI_DURATIONS
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
