@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Group
+from rich.markup import escape
 from rich.table import Table
 
 from sim.fleet.config import fleet_what_if
@@ -128,7 +129,7 @@ def latency_table(summary: dict[str, Any]) -> Table:
         f"[{summary['source']}] {summary['num_finished']:,}/{summary['num_requests']:,} "
         f"requests in {summary['duration_s']:,.1f} s"
     )
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")  # "[sim]" is text, not markup
     for col in ("latency", "p50", "p90", "p99", "mean"):
         table.add_column(col, justify="left" if col == "latency" else "right")
     for name, key in (("TTFT", TTFT), ("ITL", ITL), ("E2E", E2E), ("queue", QUEUE)):
@@ -192,7 +193,7 @@ def fleet_table(summary: dict[str, Any]) -> Table:
         f"imbalance (max / mean) requests {_num(imbalance['requests'], '.2f')}, busy time "
         f"{_num(imbalance['busy_time'], '.2f')}"
     )
-    table = Table(title=title, title_justify="left")
+    table = Table(title=escape(title), title_justify="left")  # "[sim]" is text, not markup
     for col in (
         "replica",
         "requests",

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
+from rich.markup import escape
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -370,7 +371,7 @@ def sized_fleet(spec: Scenario, results: list[ReplicaSearch]) -> Scenario:
 
 def _print_capacity(spec: Scenario, the_knob: Knob, result: CapacityResult) -> None:
     """The curve and the answer of a load search."""
-    table = Table(title=f"{spec.name}: latency vs {the_knob.field}")
+    table = Table(title=escape(f"{spec.name}: latency vs {the_knob.field}"))
     for column in ("load", "holds", "TTFT p50 s", "TTFT p99 s", "ITL p99 s", "E2E p99 s",
                    "tok/s", "preempt", "peak sessions"):  # fmt: skip
         table.add_column(column, justify="right")
@@ -459,7 +460,7 @@ def _search_replicas(
 
 def _print_replicas(spec: Scenario, results: list[ReplicaSearch]) -> None:
     """The table of ``kvsim capacity --replicas``: the answer per router."""
-    table = Table(title=f"{spec.name}: fewest replicas within the SLOs, per router")
+    table = Table(title=escape(f"{spec.name}: fewest replicas within the SLOs, per router"))
     for column in ("router", "fewest replicas", "there: TTFT p99 s", "ITL p99 s",
                    "prefix hits", "simulations"):  # fmt: skip
         table.add_column(column, justify="left" if column == "router" else "right")

@@ -92,6 +92,7 @@ def test_run_prints_summary_and_writes_run_dir(tmp_path: Path) -> None:
     )
     assert code == 0, output
     assert "TTFT" in output and "SLO ttft_p99_s" in output and "run written to" in output
+    assert "on H100-SXM-80GB [sim] " in " ".join(output.split())  # text, not rich markup
     assert sorted(p.name for p in out.iterdir()) == [
         "block_map.npz",
         "requests.parquet",
