@@ -226,12 +226,19 @@ def sweep(
     ran, failed = int(ok.sum()), int((table["status"] == "failed").sum())
     pending = len(table) - ran - failed
     cut = int(unfinished_points(table).sum())
+    what_ifs = int(table["what_if"].notna().sum()) if "what_if" in table.columns else 0
     console.print(
         f"{ran} of {len(table)} points ran"
         + (
             f" ({cut} hit limits.max_duration_s with requests unfinished: their latencies "
             "leave those out, see num_finished and num_not_arrived)"
             if cut
+            else ""
+        )
+        + (
+            f", {what_ifs} of them what-ifs vLLM 0.32 does not run as configured (see the "
+            "what_if column)"
+            if what_ifs
             else ""
         )
         + (f", {failed} failed (see the error column)" if failed else "")

@@ -41,6 +41,7 @@ import pandas as pd
 from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError, short_repr
 from sim.interrupts import completed, sigint_deferred
+from sim.report import what_if_lines
 from sim.scenario import check_runnable, load_scenario
 
 SWEEP_FILE = "sweep.json"
@@ -435,6 +436,9 @@ def point_record(plan: SweepPlan, point: Point) -> dict[str, Any]:
         summary = json.loads((run_dir / "summary.json").read_text())
         row.update(status="ok", error=None, run_dir=str(run_dir))
         row.update({column: _dig(summary, path) for column, path in METRICS})
+        # What the point modelled that vLLM 0.32 does not run (memory policies, a fleet's
+        # router), one "; "-joined text; none for the vLLM-exact engine.
+        row["what_if"] = "; ".join(what_if_lines(summary)) or None
         slos = summary.get("slos") or {}
         for name, verdict in slos.items():
             row[f"slo_{name}_pass"] = bool(verdict.get("pass"))

@@ -122,6 +122,8 @@ def _chosen(table: pd.DataFrame, knobs: list[str]) -> None:
         f"**{best['point']}** ({objective} among the points that finished every request "
         "and met every SLO): " + ", ".join(f"`{k}={best[k]}`" for k in knobs)
     )
+    if isinstance(what_if := best.get("what_if"), str) and what_if:
+        st.warning(f"This config is a what-if, not vLLM 0.32's own behaviour: {what_if}")
     run_dir = Path(str(best["run_dir"]))
     if st.button("Open its run in the run explorer", key="sw-open"):
         st.session_state[RUN_PATH_KEY] = str(run_dir)
@@ -165,6 +167,12 @@ with guard(str(results), str(results)):
     knobs = sweep_data.knobs(grid, table)
 failed = int((table["status"] == "failed").sum())
 st.write(f"{len(table)} points, {failed} failed")
+what_ifs = table["what_if"].dropna() if "what_if" in table.columns else pd.Series(dtype=str)
+if not what_ifs.empty:
+    st.info(
+        f"{len(what_ifs)} of these points are what-ifs, not vLLM 0.32's own behaviour (the "
+        f"`what_if` column), e.g. {what_ifs.iloc[0]}"
+    )
 shown = table.copy()
 shown.insert(shown.columns.get_loc("status") + 1, "verdict", sweep_data.verdicts(table))
 st.dataframe(shown, hide_index=True, key="sw-results")

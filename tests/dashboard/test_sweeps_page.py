@@ -203,6 +203,21 @@ def test_one_knob_sweep_is_a_line_chart(tmp_path: Path, monkeypatch) -> None:
     assert not at.error
 
 
+def test_what_if_points_are_said_and_a_chosen_what_if_is_flagged(tmp_path: Path, monkeypatch):
+    # Ample HBM, no prefix caching: the static allocator serves as paged does, both points
+    # pass with the same figures; the page must say which is a what-if, and flag it when it
+    # is chosen.
+    grid = ["engine.allocator=static,paged"]
+    table = _sweep(tmp_path, "alloc", grid, ["engine.enable_prefix_caching=false"])
+    assert table["what_if"].notna().tolist() == [True, False]
+    at = _page(tmp_path, monkeypatch)
+    assert any("1 of these points are what-ifs" in i for i in _texts(at.info))
+    # Same goodput: the tie goes to the first point, the what-if.
+    chosen = sweep_data.choose(table, next(iter(sweep_data.OBJECTIVES)))  # the default
+    assert chosen is not None and chosen["point"] == "p0000"
+    assert any("This config is a what-if" in w for w in _texts(at.warning))
+
+
 def test_one_knob_line_marks_missed_slos_and_unfinished_runs() -> None:
     t = pd.DataFrame(
         {

@@ -92,6 +92,21 @@ def test_the_sweep_says_which_points_hit_the_time_limit(tmp_path: Path) -> None:
     assert code == 0 and "hit limits.max_duration_s" not in text
 
 
+def test_the_table_and_closing_line_say_which_points_are_what_ifs(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet", "--workers", "1"]
+    args += ["--grid", "engine.allocator=paged,static"]
+    for assignment in SMALL:
+        args += ["--set", assignment]
+    code, text = run(*args)
+    assert code == 0, text
+    assert "2 of 2 points ran, 1 of them what-ifs vLLM 0.32 does not run" in text
+    table = pd.read_parquet(out / RESULTS_FILE)
+    paged, static = table.iloc[0], table.iloc[1]
+    assert pd.isna(paged["what_if"])
+    assert "static" in static["what_if"]
+
+
 def test_a_killed_sweep_resumes_without_running_a_finished_point_again(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
     cmd = [sys.executable, "-c", "from sim.cli import app; app()", *sweep_args(out)]
