@@ -3,8 +3,9 @@
 After each step is scheduled (its tokens computed, its KV slots in use for the step's
 duration) the capacity, ``num_usable_blocks x block_size`` slots, splits into:
 
-- ``stored``: slots holding a token's KV. Paged: the blocks held by running requests minus
-  their unused slots (a full block shared through the prefix cache counts once). Contiguous:
+- ``stored``: slots holding a running request's KV. Paged: the blocks held by running
+  requests minus their unused slots (a full block shared through the prefix cache counts
+  once). Contiguous:
   every live request's computed tokens.
 - ``reserved_unused``: slots set aside for a live request beyond what it has computed,
   excluding its partial last block. Paged: whole blocks allocated ahead of the computed tokens
@@ -18,6 +19,9 @@ duration) the capacity, ``num_usable_blocks x block_size`` slots, splits into:
   each request's partial last block, ``ceil(n / block_size) x block_size - n``. Contiguous: a
   region is whole blocks, so a reservation that is not a multiple of ``block_size`` rounds up;
   the rounding (0 for ``max_model_len`` a multiple of ``block_size``).
+- ``held_idle``: slots in blocks that are not free but that no running request holds: a KV
+  retention pin during a tool wait, a request waiting for its CPU offload load (what-ifs;
+  0 without them and for contiguous allocators). They hold tokens nobody is decoding.
 - ``external_fragmentation``: free slots in gaps too small for the head-of-line waiting
   request's region (it is refused while its size in total is free). 0 for paged (any free
   block serves any request) and when nobody waits.
@@ -53,6 +57,7 @@ PARTS = (
     "stored",
     "reserved_unused",
     "internal_fragmentation",
+    "held_idle",
     "external_fragmentation",
     "free",
 )
@@ -77,10 +82,31 @@ def paged_breakdown(kv: Any, running: Sequence[Request]) -> tuple[int, ...]:
         internal += touched * block_size - computed
         reserved += (len(tables[request.request_id]) - touched) * block_size
     pool = kv.block_pool
-    usable = pool.num_gpu_blocks - 1
-    used = (usable - pool.num_free_blocks) * block_size
-    stored = used - internal - reserved
-    return (stored, reserved, internal, 0, pool.num_free_blocks * block_size, 0, len(running))
+    used_blocks = pool.num_gpu_blocks - 1 - pool.num_free_blocks
+    idle = idle_blocks(kv, running) * block_size
+    stored = used_blocks * block_size - idle - internal - reserved
+    free = pool.num_free_blocks * block_size
+    return (stored, reserved, internal, idle, 0, free, 0, len(running))
+
+
+def idle_blocks(kv: Any, running: Sequence[Request]) -> int:
+    """Blocks in use that no running request holds: every reference to them is a KV
+    retention pin's or a request's that is not running (one waiting for its offload load).
+    0, without a pass over the pool, when there are no such holders (vLLM's own engine)."""
+    retention = kv.retention
+    pinned = retention is not None and bool(retention.holders)
+    tables = kv.req_to_blocks
+    others: list[Sequence[int]] = []
+    if len(tables) > len(running):
+        running_ids = {r.request_id for r in running}
+        others = [ids for rid, ids in tables.items() if rid not in running_ids]
+    if not pinned and not others:
+        return 0
+    ref_cnt = kv.block_pool.ref_cnt
+    by_running = ref_cnt - retention.held_refs if pinned else ref_cnt.copy()
+    for ids in others:
+        np.subtract.at(by_running, np.asarray(ids, dtype=np.int64), 1)
+    return int(np.count_nonzero((ref_cnt > 0) & (by_running == 0)))
 
 
 def contiguous_breakdown(
@@ -109,7 +135,7 @@ def contiguous_breakdown(
         if kv.block_pool.num_free_blocks >= need:
             external = sum(size for _, size in kv.gaps() if size < need) * block_size
     free = kv.block_pool.num_free_blocks * block_size - external
-    return (stored, reserved, internal, external, free, never, len(running))
+    return (stored, reserved, internal, 0, external, free, never, len(running))
 
 
 class WasteTrackingScheduler(Scheduler):

@@ -14,18 +14,21 @@ import yaml
 from typer.testing import CliRunner
 
 from sim.cli import app
+from sim.config.retention import RetentionConfig
 from sim.kv.allocators import ContiguousKVManager
 from sim.kv.kv_cache_manager import KVCacheManager
 from sim.kv.waste import (
     COLUMNS,
     PARTS,
     contiguous_breakdown,
+    idle_blocks,
     kv_waste_breakdown,
     paged_breakdown,
 )
 from sim.request import Request
 from sim.runner import simulate
 from sim.scenario import parse_scenario
+from sim.workload.base import SessionHint
 
 BLOCK_SIZE = 16
 
@@ -91,6 +94,35 @@ def test_paged_shared_prefix_blocks_count_once() -> None:
     assert sample["free"] == (99 - 6) * BLOCK_SIZE
 
 
+def test_paged_blocks_only_a_retention_pin_holds_are_held_idle_not_stored() -> None:
+    kv = KVCacheManager(20, BLOCK_SIZE, max_model_len=1024, enable_caching=True)
+    kv.enable_retention(RetentionConfig(policy="ttl", ttl_s=60.0), lambda: 0.0)
+    prefix = list(range(32))  # 2 full blocks both turns share
+    hint = SessionHint(0, returns=True)
+    done = Request(
+        "s0-t0", [*prefix, *range(500, 532)], 1, block_size=BLOCK_SIZE, session_hint=hint
+    )
+    admit_computed(kv, done)
+    other = Request("s1-t0", [*prefix, 900], 1, block_size=BLOCK_SIZE)
+    hits, num_hit = kv.get_computed_blocks(other)
+    assert num_hit == 32
+    assert kv.allocate_slots(other, 1, num_new_computed_tokens=32, new_computed_blocks=hits)
+    other.num_computed_tokens = other.num_tokens
+    done.mark_running(done.num_tokens)
+    done.mark_finished()
+    kv.free(done)  # its 4 full blocks are pinned: 2 shared with `other`, 2 its own
+    assert kv.retention is not None and kv.retention.num_held_blocks == 4
+    sample = dict(zip(COLUMNS, paged_breakdown(kv, [other]), strict=True))
+    # `other` holds the 2 shared blocks and its tail; only the pin holds the other 2.
+    assert sample["held_idle"] == 2 * BLOCK_SIZE
+    assert sample["stored"] == 33
+    assert sample["internal_fragmentation"] == 15
+    assert sum(sample[p] for p in PARTS) == 19 * BLOCK_SIZE
+    # Were `other` not running (e.g. waiting for an offload load), every block in use would
+    # be idle: the 4 pinned ones and its tail.
+    assert idle_blocks(kv, []) == 5
+
+
 def test_static_reserved_unused_is_max_model_len_minus_the_live_length() -> None:
     kv = ContiguousKVManager("static", 1 + 6 * 64, BLOCK_SIZE, max_model_len=1024)
     lengths = [5, 100, 640, 1000]
@@ -143,17 +175,21 @@ def test_time_weighting() -> None:
         return {name: array("q", [row[i] for row in rows]) for i, name in enumerate(COLUMNS)}
 
     # Capacity 100 slots; step 1 (1 s): 10 stored, 20 reserved, 70 free; step 2 (3 s): 50
-    # stored, 10 internal, 10 external, 30 free. A third sample has no duration (cut off).
-    one = samples((10, 20, 0, 0, 70, 5, 1), (50, 0, 10, 10, 30, 0, 3), (99, 0, 0, 0, 1, 0, 9))
+    # stored, 10 internal, 5 held idle, 10 external, 25 free. A third sample has no duration
+    # (cut off).
+    one = samples(
+        (10, 20, 0, 0, 0, 70, 5, 1), (50, 0, 10, 5, 10, 25, 0, 3), (99, 0, 0, 0, 0, 1, 0, 9)
+    )
     out = kv_waste_breakdown("x", 100, [one], [[1.0, 3.0]])
     assert out["steps_time_s"] == 4.0
     assert out["effective_utilization"] == pytest.approx((10 * 1 + 50 * 3) / 400)
     assert out["shares_of_capacity"]["reserved_unused"] == pytest.approx(20 / 400)
     assert out["shares_of_capacity"]["internal_fragmentation"] == pytest.approx(30 / 400)
     assert out["shares_of_capacity"]["external_fragmentation"] == pytest.approx(30 / 400)
-    assert out["shares_of_capacity"]["free"] == pytest.approx((70 + 90) / 400)
+    assert out["shares_of_capacity"]["held_idle"] == pytest.approx(15 / 400)
+    assert out["shares_of_capacity"]["free"] == pytest.approx((70 + 75) / 400)
     assert out["reserved_never_used_share"] == pytest.approx(5 / 400)
-    assert out["stored_share_of_allocated"] == pytest.approx(160 / (160 + 20 + 30))
+    assert out["stored_share_of_allocated"] == pytest.approx(160 / (160 + 20 + 30 + 15))
     assert out["mean_live_requests"] == pytest.approx((1 + 9) / 4)
     assert out["max_live_requests"] == 3
     # Two replicas: the shares are over both replicas' capacity-time.
