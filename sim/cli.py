@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from sim.console import console, count_progress, err_console, fail
@@ -150,6 +151,9 @@ def run(
                     samples,
                     vary_seed,
                     on_done=lambda k: bar.update(task, completed=k),
+                    on_serial=lambda why: err_console.print(
+                        f"[yellow]{escape(why)}[/yellow]", highlight=False
+                    ),
                 )
             band = band_rows(result.summary, summaries)
             band_warning = truncation_warning(result.summary, summaries)

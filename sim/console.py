@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 console = Console()
@@ -12,7 +13,10 @@ err_console = Console(stderr=True)
 
 def fail(message: str) -> typer.Exit:
     """Print one paragraph to stderr and return the exit to raise (status 2)."""
-    err_console.print(f"[bold red]error:[/bold red] {message}", highlight=False, soft_wrap=True)
+    # The message is text: "pip install 'kvsim[tune]'" or a path with brackets is no markup.
+    err_console.print(
+        f"[bold red]error:[/bold red] {escape(message)}", highlight=False, soft_wrap=True
+    )
     return typer.Exit(code=2)
 
 

@@ -33,6 +33,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -355,7 +356,12 @@ def _run_locally(
     workers: int,
     on_point: Callable[[Point, str | None], None] | None,
 ) -> None:
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(pending)), initializer=die_with_parent)
+    # Spawned, not forked: the progress bar's refresh thread runs while the pool starts.
+    pool = ProcessPoolExecutor(
+        max_workers=min(workers, len(pending)),
+        initializer=die_with_parent,
+        mp_context=get_context("spawn"),
+    )
     try:
         with sigint_deferred() as interrupt:
             futures: dict[Future[str | None], Point] = {

@@ -24,7 +24,6 @@ the band costs N runs, spread over worker processes.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -40,6 +39,7 @@ from sim.interrupts import result_of, sigint_deferred
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
 from sim.step_jitter import JitterSpec
+from sim.sweep import default_workers
 
 # The band, in the run directory of kvsim run --samples.
 SAMPLES = "samples.json"
@@ -202,11 +202,13 @@ def run_samples(
     vary_seed: bool = False,
     workers: int | None = None,
     on_done: Callable[[int], None] | None = None,
+    on_serial: Callable[[str], None] | None = None,
 ) -> tuple[list[float], list[dict[str, Any]]]:
     """The speed factors and summaries of ``num_samples`` runs (see the module docstring),
-    in sample order, on up to ``workers`` processes (default: every core, at most one per
-    sample; one process where worker processes cannot start). ``on_done(k)`` runs after
-    each finished sample, with the number done."""
+    in sample order, on up to ``workers`` processes (default: every core this process may
+    use, at most one per sample; one process where worker processes cannot start, which
+    ``on_serial(why)`` is told). ``on_done(k)`` runs after each finished sample, with the
+    number done."""
     factors = sample_factors(profile, num_samples)
     assert profile is not None
     jobs = [
@@ -217,7 +219,7 @@ def run_samples(
         )
         for i, f in enumerate(factors)
     ]
-    workers = min(workers or os.cpu_count() or 1, len(jobs))
+    workers = min(workers or default_workers(), len(jobs))
     summaries: list[dict[str, Any]] = []
 
     def add(summary: dict[str, Any]) -> None:
@@ -241,10 +243,15 @@ def run_samples(
                 # Interrupted (Ctrl-C, a dashboard rerun): drop the samples not started
                 # rather than wait for them all.
                 pool.shutdown(wait=False, cancel_futures=True)
-        except (OSError, BrokenProcessPool):
+        except (OSError, BrokenProcessPool) as exc:
             # No worker processes here (no /dev/shm, a sandbox), or a worker died (memory):
             # the samples left run one by one in this process, with the same results.
-            pass
+            if on_serial is not None:
+                left = len(jobs) - len(summaries)
+                on_serial(
+                    f"worker processes failed ({type(exc).__name__}: {exc}); the {left} "
+                    "samples left run one by one in this process (same results, slower)"
+                )
     for spec, f, j in jobs[len(summaries) :]:
         add(_simulate_summary(spec, profile, f, j))
     return factors, summaries

@@ -170,7 +170,9 @@ def _run(
             def sampled(k: int) -> None:
                 bar.progress(k / samples, text=f"sampling step speeds: {k}/{samples} runs")
 
-            factors, summaries = run_samples(scenario, profile, samples, vary_seed, on_done=sampled)
+            factors, summaries = run_samples(
+                scenario, profile, samples, vary_seed, on_done=sampled, on_serial=st.info
+            )
             rows = band_rows(result.summary, summaries)
             band = band_records(rows, factors, summaries, profile)
             band_warning = truncation_warning(result.summary, summaries)

@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
+from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -98,8 +99,11 @@ def _run_tasks(
     on_done: Callable[[Task, dict[str, Any]], None],
 ) -> dict[tuple[str, str], dict[str, Any]]:
     results: dict[tuple[str, str], dict[str, Any]] = {}
+    # Spawned, not forked: the progress bar's refresh thread runs while the pool starts.
     pool = ProcessPoolExecutor(
-        max_workers=max(1, min(workers, len(tasks))), initializer=die_with_parent
+        max_workers=max(1, min(workers, len(tasks))),
+        initializer=die_with_parent,
+        mp_context=get_context("spawn"),
     )
     futures: dict[Future[dict[str, Any]], Task] = {}
     try:
@@ -120,7 +124,9 @@ def _run_tasks(
             process.terminate()
         raise
     pool.shutdown(wait=True)
-    return results
+    # In task order, not the order the workers finished in: claims.json is the same for
+    # any --workers.
+    return {(t.group, t.key): results[(t.group, t.key)] for t in tasks}
 
 
 def _at(study: Study, factor: float) -> tuple[str, ...]:

@@ -569,3 +569,9 @@ def test_a_missing_scenario_names_the_shipped_ones_where_they_are(tmp_path: Path
     output = refused(tmp_path, str(tmp_path / "nope.yaml"))
     assert f"the shipped scenarios, in {SCENARIO_DIR}: agent-burst.yaml" in output
     assert "fleet/coding-agents-fleet-8b-h100.yaml" in output
+
+
+def test_an_error_message_is_text_not_rich_markup(tmp_path: Path) -> None:
+    # "[/x]" would close a markup tag that was never opened: a MarkupError traceback.
+    output = refused(tmp_path, str(tmp_path / "[/x]" / "s.yaml"))
+    assert "/[/x]/s.yaml' is not a file" in output

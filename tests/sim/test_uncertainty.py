@@ -193,7 +193,10 @@ def test_samples_run_in_this_process_when_workers_cannot_start(
         raise OSError("[Errno 38] Function not implemented: sem_open")
 
     monkeypatch.setattr(uncertainty, "ProcessPoolExecutor", no_pool)
-    assert run_samples(spec, PROFILE, 2, workers=2) == expected
+    told: list[str] = []
+    assert run_samples(spec, PROFILE, 2, workers=2, on_serial=told.append) == expected
+    (why,) = told  # said once, not silently N times slower
+    assert "sem_open" in why and "the 2 samples left run one by one" in why
 
 
 def test_a_sample_cut_at_the_time_limit_is_flagged() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,22 @@ def test_the_shipped_claims_scenario_searches_the_session_rate() -> None:
     assert spec.slos.ttft_p99_s == 2.0 and spec.slos.itl_p99_s == 0.15
     summary = simulate(spec).summary
     assert summary["num_finished"] == summary["num_requests"] > 0
+
+
+def test_results_come_back_in_task_order_whatever_order_workers_finish(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # claims.json must not depend on --workers: hand the results over last-submitted first.
+    def backwards(futures: dict[Future[Any], Any], interrupt: Any) -> Any:
+        wait(list(futures))
+        yield from reversed(list(futures))
+
+    monkeypatch.setattr(study_module, "completed", backwards)
+    tasks = [
+        study_module.Task("run", "utilization", key, (f"{RATE}={rate}",))
+        for key, rate in (("a", 1.0), ("b", 2.0), ("c", 3.0))
+    ]
+    seen: list[str] = []
+    results = study_module._run_tasks(TINY, tasks, 2, lambda task, _: seen.append(task.key))
+    assert seen == ["c", "b", "a"]
+    assert list(results) == [("utilization", "a"), ("utilization", "b"), ("utilization", "c")]
