@@ -12,7 +12,7 @@ import typer
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
-from sim.console import console, count_progress, err_console, fail
+from sim.console import console, count_progress, err_console, fail, note
 from sim.errors import KvsimConfigError
 
 app = typer.Typer(
@@ -109,7 +109,7 @@ def run(
             else []
         )
         for warning in filter(None, warnings):
-            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+            note(warning)
         out_dir = claim_run_dir(out) if out else claim_new_run_dir(Path("runs"), spec.name)
         started = time.perf_counter()
         with Progress(
@@ -151,9 +151,7 @@ def run(
                     samples,
                     vary_seed,
                     on_done=lambda k: bar.update(task, completed=k),
-                    on_serial=lambda why: err_console.print(
-                        f"[yellow]{escape(why)}[/yellow]", highlight=False
-                    ),
+                    on_serial=note,
                 )
             band = band_rows(result.summary, summaries)
             band_warning = truncation_warning(result.summary, summaries)
@@ -175,9 +173,9 @@ def run(
         raise
     console.print(summary_table(result.summary))
     for partial in partial_lines(result.summary):
-        err_console.print(f"[yellow]{partial}[/yellow]", highlight=False)
+        note(partial)
     if what_if := what_if_line(result.summary):
-        err_console.print(f"[cyan]{what_if}[/cyan]", highlight=False)
+        note(what_if, "cyan")
     per_replica = " per replica" if spec.fleet is not None else ""
     console.print(f"KV cache: {kv_cache_summary(result.sizing)}{per_replica}", highlight=False)
     console.print(step_time_source(result.summary), highlight=False)
@@ -189,11 +187,11 @@ def run(
     if coverage is not None:
         console.print(f"shape coverage: {coverage.line()}", highlight=False)
         if warning := coverage.warning():
-            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+            note(warning)
     if band:
         console.print(band_table(band, samples, vary_seed))
         if band_warning:
-            err_console.print(f"[yellow]{band_warning}[/yellow]", highlight=False)
+            note(band_warning)
     sim_s = result.summary["duration_s"]
     console.print(
         f"simulated {sim_s:,.1f} s and {result.summary['num_requests']:,} requests in "
@@ -214,9 +212,11 @@ def scenarios() -> None:
         name = path.relative_to(SCENARIO_DIR).as_posix()
         try:
             spec = load_scenario(path)
-            console.print(f"[bold]{name}[/bold]: {spec.description}", highlight=False)
+            console.print(
+                f"[bold]{escape(name)}[/bold]: {escape(spec.description)}", highlight=False
+            )
         except KvsimConfigError as exc:
-            console.print(f"[red]{name}[/red]: {exc}", highlight=False)
+            console.print(f"[red]{escape(name)}[/red]: {escape(str(exc))}", highlight=False)
 
 
 @app.command()

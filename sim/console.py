@@ -20,6 +20,11 @@ def fail(message: str) -> typer.Exit:
     return typer.Exit(code=2)
 
 
+def note(text: str, style: str = "yellow") -> None:
+    """Print ``text`` to stderr in ``style``; brackets in it are text, not rich markup."""
+    err_console.print(text, style=style, markup=False, highlight=False)
+
+
 def count_progress(quiet: bool, transient: bool = False) -> Progress:
     """A bar of tasks done / total with the elapsed time, on stderr; off when ``quiet`` or
     stderr is not a terminal."""

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import yaml
 
 from sim.config.sizing import size_deployable_kv_cache
-from sim.console import err_console
+from sim.console import note
 from sim.errors import KvsimConfigError
 from sim.scenario import Scenario
 
@@ -325,5 +325,5 @@ def export(scenario: Scenario, fmt: str, out: Path, model: str | None = None) ->
     model_json = version_dir / "model.json"
     model_json.write_text(model_json_text)
     for warning in triton_warnings(scenario):
-        err_console.print(f"[yellow]warning: {warning}[/yellow]", highlight=False, soft_wrap=True)
+        note(f"warning: {warning}")
     return [config, model_json]

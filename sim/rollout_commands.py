@@ -21,7 +21,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from sim.console import console, err_console, fail
+from sim.console import console, err_console, fail, note
 from sim.errors import KvsimConfigError
 from sim.fleet.config import ROUTING_WHAT_IF
 
@@ -335,10 +335,7 @@ def capacity(
         _print_capacity(spec, the_knob, result)
         what_if = spec.what_ifs()
     if what_if:
-        err_console.print(
-            f"[cyan]a what-if, not vLLM 0.32's own behaviour: {'; '.join(what_if)}[/cyan]",
-            highlight=False,
-        )
+        note(f"a what-if, not vLLM 0.32's own behaviour: {'; '.join(what_if)}", "cyan")
     document = {
         "scenario": spec.name,
         "slos": spec.slos.model_dump(),

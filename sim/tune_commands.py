@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.table import Table
 
-from sim.console import console, err_console, fail
+from sim.console import console, err_console, fail, note
 from sim.errors import KvsimConfigError
 from sim.rollout_commands import (
     ExportFormatOption,
@@ -173,18 +173,16 @@ def tune_cmd(
         highlight=False,
     )
     if best.metrics.get("capacity_at_ceiling"):
-        err_console.print(
-            f"[yellow]every load the capacity search tried held, up to its ceiling "
+        note(
+            f"every load the capacity search tried held, up to its ceiling "
             f"({best.objective:g} {best.metrics['capacity_unit']}): that is the search's "
             "bound, not this config's, and trials there tie; raise the load or tighten "
-            "the SLOs to tell configs apart[/yellow]",
-            highlight=False,
+            "the SLOs to tell configs apart"
         )
     if what_if := best_spec.what_ifs():
-        err_console.print(
-            f"[cyan]the best config is a what-if, not vLLM 0.32's own behaviour: "
-            f"{'; '.join(what_if)}[/cyan]",
-            highlight=False,
+        note(
+            f"the best config is a what-if, not vLLM 0.32's own behaviour: {'; '.join(what_if)}",
+            "cyan",
         )
     front = Table(title="Pareto front (feasible trials): throughput vs p99 TTFT and ITL")
     for column in ("trial", "tok/s", "TTFT p99 s", "ITL p99 s", objective):
