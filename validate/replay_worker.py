@@ -21,22 +21,35 @@ def main() -> int:
     parser.add_argument("device", choices=["cpu", "cuda"])
     parser.add_argument("model", help="model folder or hub name")
     parser.add_argument("out_dir", type=Path)
+    parser.add_argument(
+        "--progress", type=Path, help="file to write progress to (validate.progress)"
+    )
     args = parser.parse_args()
 
     from sim.results import write_run
     from sim.scenario import parse_scenario, scenario_to_yaml
+    from validate.progress import STARTING, WARMING_UP, ProgressFile
     from validate.replay import build_engine, replay, warm_up
     from validate.runner import measured_summary
 
     scenario = parse_scenario(yaml.safe_load(args.scenario_yaml.read_text()), "scenario")
+    progress = (
+        ProgressFile(args.progress, scenario.limits.max_duration_s) if args.progress else None
+    )
     try:
+        if progress is not None:
+            progress.phase(STARTING)
         engine = build_engine(scenario, args.device, args.model)
+        if progress is not None:
+            progress.phase(WARMING_UP)
         warm_up(engine, scenario)
     except Exception as exc:  # vLLM raises many types on a bad model path, OOM, bad args
         message = " ".join(f"{type(exc).__name__}: {exc}".split())
         print(f"vLLM could not start {args.model!r} on {args.device}: {message}", file=sys.stderr)
         return 3
-    result = replay(scenario, args.device, args.model, engine)
+    result = replay(
+        scenario, args.device, args.model, engine, progress.report if progress else None
+    )
     recorder = result.recorder
     write_run(
         args.out_dir,

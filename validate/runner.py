@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from sim import __version__
 from sim.config.calibration import CalibrationProfile, load_profile, shipped_profile
 from sim.cost_model import CostParams
 from sim.report import partial_run_line
@@ -25,8 +26,14 @@ from sim.summary import build_summary
 from sim.uncertainty import BandRow
 from validate.calibrate import step_time_ratio
 from validate.compare import ComparisonRow, compare_to_runs, rows_to_records
-from validate.engine_args import resolve_model_dir
+from validate.preflight import installed_vllm, plan_replay, version_note
+from validate.progress import ReplayProgress, wait_relaying_progress
 from validate.replay import ReplayResult
+
+# The module each replay runs in, in a fresh interpreter (tests stand a simulator in for it).
+WORKER_MODULE = "validate.replay_worker"
+# How often (seconds) the command looks at the replay's progress while it waits.
+PROGRESS_POLL_S = 1.0
 
 
 class EngineFailure(RuntimeError):
@@ -37,10 +44,14 @@ def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]
     """summary.json of a measured run (:func:`sim.summary.build_summary`, as the simulator's)."""
     provenance = {
         "source": "vllm",
+        "kvsim_version": __version__,
         "vllm_version": result.vllm_version,
         "device": result.device,
         "served_model": result.model,
-        "hardware": result.device,
+        "load_format": result.load_format,
+        # What the scenario says the engine runs on, as a simulation records it (summaries
+        # before 2026-12-06 recorded the device here; kvsim calibrate reads their scenario's).
+        "hardware": scenario.hardware.name,
         "allocator": "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "default",
         "dtype": result.dtype,
         "error": result.error,
@@ -82,44 +93,73 @@ def worker_env(device: str) -> dict[str, str]:
     return env
 
 
-def run_real(scenario: Scenario, device: str, model: str | None, out_dir: Path) -> RunData:
+def vllm_log_path(out_dir: Path) -> Path:
+    """Where a replay into ``out_dir`` keeps vLLM's own log: ``<out_dir>.vllm.log``."""
+    out_dir = Path(out_dir)
+    return out_dir.with_name(out_dir.name + ".vllm.log")
+
+
+def run_real(
+    scenario: Scenario,
+    device: str,
+    model: str | None,
+    out_dir: Path,
+    on_progress: Callable[[ReplayProgress], None] | None = None,
+) -> RunData:
     """Replay on vLLM (in a fresh process) and write the measured run directory, also when
-    the engine failed mid-run (the summary then says ``complete: false``). Raises
-    EngineFailure when vLLM could not start or its process died without writing anything;
-    vLLM's own log is kept next to the run as ``<out_dir>.vllm.log``."""
-    model_dir = resolve_model_dir(scenario, model)
+    the engine failed mid-run (the summary then says ``complete: false``). Refuses what
+    :func:`validate.preflight.plan_replay` refuses before starting it. Raises EngineFailure
+    when vLLM could not start or its process died without writing anything; vLLM's own log
+    is kept next to the run as ``<out_dir>.vllm.log``. ``on_progress`` gets the replay's
+    progress now and then while it runs (validate.progress)."""
+    model_dir = plan_replay(scenario, device, model).model_dir
     out_dir = Path(out_dir)
     if out_dir.exists():
         raise FileExistsError(f"{out_dir} already exists; kvsim never overwrites a run")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir.with_name(out_dir.name + ".vllm.log")
+    log_path = vllm_log_path(out_dir)
     with tempfile.TemporaryDirectory() as tmp:
         scenario_path = Path(tmp) / "scenario.yaml"
         scenario_path.write_text(scenario_to_yaml(scenario))
+        progress_path = Path(tmp) / "progress.json"
+        command = [
+            sys.executable,
+            "-m",
+            WORKER_MODULE,
+            str(scenario_path),
+            device,
+            model_dir,
+            str(out_dir),
+            "--progress",
+            str(progress_path),
+        ]
         with log_path.open("w") as log:
-            proc = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "validate.replay_worker",
-                    str(scenario_path),
-                    device,
-                    model_dir,
-                    str(out_dir),
-                ],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                check=False,
-                env=worker_env(device),
+            proc = subprocess.Popen(
+                command, stdout=log, stderr=subprocess.STDOUT, env=worker_env(device)
             )
-    if proc.returncode != 0 or not out_dir.is_dir():
-        lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
-        reason = next((ln for ln in reversed(lines) if "could not start" in ln), None)
-        if reason is None:
-            tail = lines[-1] if lines else "no output"
-            reason = f"the vLLM process exited with status {proc.returncode} ({tail})"
-        raise EngineFailure(f"{reason}; full log: {log_path}")
+            try:
+                returncode = wait_relaying_progress(
+                    proc, progress_path, on_progress, PROGRESS_POLL_S
+                )
+            finally:
+                if proc.poll() is None:  # interrupted (Ctrl-C): stop the replay too
+                    proc.kill()
+                    proc.wait()
+    if returncode != 0 or not out_dir.is_dir():
+        raise EngineFailure(failure_reason(log_path, returncode))
     return load_run(out_dir)
+
+
+def failure_reason(log_path: Path, returncode: int) -> str:
+    """Why the replay process wrote no run: its "could not start" line, else its last line;
+    with the installed vLLM's version when kvsim is not checked against it."""
+    lines = [ln for ln in log_path.read_text().splitlines() if ln.strip()]
+    reason = next((ln for ln in reversed(lines) if "could not start" in ln), None)
+    if reason is None:
+        tail = lines[-1] if lines else "no output"
+        reason = f"the vLLM process exited with status {returncode} ({tail})"
+    vllm = installed_vllm()
+    return f"{reason}{version_note(vllm.version if vllm else None)}; full log: {log_path}"
 
 
 def run_real_repeated(
@@ -128,18 +168,20 @@ def run_real_repeated(
     model: str | None,
     out_dir: Path,
     repeats: int,
-    on_start: Callable[[int], None] | None = None,
+    on_start: Callable[[int, Path], None] | None = None,
+    on_progress: Callable[[ReplayProgress], None] | None = None,
 ) -> list[RunData]:
     """``repeats`` replays, one after another, each in a fresh process: ``out_dir/real`` for
-    one, ``out_dir/real-1`` ... ``real-N`` for more. ``on_start(i)`` runs before replay i."""
+    one, ``out_dir/real-1`` ... ``real-N`` for more. ``on_start(i, run_dir)`` runs before
+    replay i; ``on_progress``: see :func:`run_real`."""
     if repeats < 1:
         raise ValueError(f"repeats={repeats}: must be at least 1")
     names = ["real"] if repeats == 1 else [f"real-{i}" for i in range(1, repeats + 1)]
     runs = []
     for i, name in enumerate(names, start=1):
         if on_start is not None:
-            on_start(i)
-        runs.append(run_real(scenario, device, model, out_dir / name))
+            on_start(i, out_dir / name)
+        runs.append(run_real(scenario, device, model, out_dir / name, on_progress))
     return runs
 
 
@@ -211,14 +253,10 @@ def build_report(
     """The simulation against the measured runs (against their median when repeated), with
     each run's step times against the cost parameters the simulation used, and ``band``
     (kvsim's step-speed samples, :mod:`sim.uncertainty`) against the runs' median."""
-    profile = (
-        load_profile(calibration)
-        if calibration
-        else shipped_profile(scenario.hardware, scenario.model)
-    )
+    profile, pricing = simulation_pricing(scenario, calibration)
     params = profile.params_for(scenario.engine.max_num_batched_tokens) if profile else CostParams()
     coverage = None
-    warnings: list[str | None] = [*unfinished_warnings(sim, reals)]
+    warnings: list[str | None] = [*unfinished_warnings(sim, reals), *kv_pool_warnings(sim, reals)]
     if profile is not None:
         warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
         coverage = profile.coverage(
@@ -230,15 +268,51 @@ def build_report(
         sim_run=str(sim.path),
         real_runs=[str(r.path) for r in reals],
         vllm_version=str(reals[0].summary.get("vllm_version", "?")),
-        calibration=str(calibration)
-        if calibration
-        else (f"shipped kernel fit for {profile.hardware}" if profile else None),
+        calibration=pricing,
         rows=compare_to_runs(sim.summary, [r.summary for r in reals]),
         step_time_ratios=[step_time_ratio(r, scenario, params) for r in reals],
         warnings=[w for w in warnings if w],
         shape_coverage=coverage.fraction if coverage else None,
         band=list(band),
     )
+
+
+def simulation_pricing(
+    scenario: Scenario, calibration: Path | None
+) -> tuple[CalibrationProfile | None, str | None]:
+    """The profile that prices the simulation of ``scenario`` (``--calibration``, else the
+    kernel fit kvsim ships for its hardware preset, else none: the datasheet roofline) and
+    how the report names it (None for the roofline)."""
+    if calibration:
+        return load_profile(calibration), str(calibration)
+    profile = shipped_profile(scenario.hardware, scenario.model)
+    return profile, f"shipped kernel fit for {profile.hardware}" if profile else None
+
+
+# A replay's KV cache may differ from kvsim's by this share before the report says so.
+KV_POOL_TOLERANCE = 0.01
+
+
+def kv_pool_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:
+    """Why KV pressure may differ: vLLM sized its own KV cache (on a GPU without
+    ``engine.num_gpu_blocks_override``) to another block count than the simulation's."""
+    simulated = sim.summary.get("kv_cache", {}).get("num_gpu_blocks")
+    if not simulated:
+        return []
+    by_count: dict[int, list[str]] = {}
+    for real in reals:
+        count = real.summary.get("kv_cache", {}).get("num_gpu_blocks")
+        if count and abs(count - simulated) > KV_POOL_TOLERANCE * simulated:
+            by_count.setdefault(int(count), []).append(str(real.path))
+    return [
+        f"vLLM's KV cache held {count:,} blocks in the replay{'s' * (len(paths) > 1)} "
+        f"{', '.join(paths)} and the "
+        f"simulation's {simulated:,} ({count / simulated - 1:+.1%}): preemptions, queueing "
+        "and prefix-cache hits under KV pressure are not comparable; pin both with "
+        f"engine.num_gpu_blocks_override={count} (e.g. --set "
+        f"engine.num_gpu_blocks_override={count})"
+        for count, paths in sorted(by_count.items())
+    ]
 
 
 def unfinished_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:

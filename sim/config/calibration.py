@@ -186,10 +186,16 @@ class CalibrationProfile(BaseModel):
         return shape_coverage(shapes, cells)
 
 
+# What profiles fitted by kvsim calibrate before 2026-12-06 record as their hardware: the
+# replay's device, not a hardware name. Such a profile's hardware is unknown.
+DEVICE_HARDWARE_NAMES = frozenset({"cpu", "cuda"})
+
+
 def hardware_warning(profile: CalibrationProfile, hardware_name: str) -> str | None:
     """Why step times may be off when ``profile`` prices a run on ``hardware_name``, or None
-    when the profile was fitted on hardware of that name."""
-    if profile.hardware == hardware_name:
+    when the profile was fitted on hardware of that name, or on hardware it does not name
+    (:data:`DEVICE_HARDWARE_NAMES`: nothing to compare)."""
+    if profile.hardware == hardware_name or profile.hardware in DEVICE_HARDWARE_NAMES:
         return None
     return (
         f"the calibration profile was fitted on {profile.hardware}, not {hardware_name}: its "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -11,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
-from sim.config.calibration import load_profile
+from sim.config.calibration import hardware_warning, load_profile, save_profile
 from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError
 from sim.results import load_run
@@ -26,6 +27,7 @@ from validate.calibrate import (
     calibrate,
     held_out_fits,
     held_out_run_ratios,
+    incomplete_warnings,
     leave_one_scenario_out,
     load_measured,
     step_ratios,
@@ -192,9 +194,10 @@ def test_calibrate_recovers_the_parameters_that_priced_the_steps(tmp_path: Path)
     profile = calibrate(runs)
     assert profile.fit["r2"] > 0.999
     assert profile.fit["outlier_frac"] == 0.0
+    # The hardware is the runs' (their scenario's hardware name), not the device string.
     assert (profile.model, profile.hardware, profile.vllm_version) == (
         "tiny-llama",
-        "cpu",
+        "cpu-validation",
         "0.32.0",
     )
     # Every calibration scenario runs at one token budget; a run at another gets a warning.
@@ -365,3 +368,91 @@ def test_cli_prints_the_fit_of_each_budget(
     )
     assert none.exit_code == 0, none.output
     assert " ".join(none.output.split()).count("has no fit of its own for this budget") == 2
+
+
+def edit_summary(run: Path, **changes: object) -> Path:
+    summary = json.loads((run / "summary.json").read_text())
+    (run / "summary.json").write_text(json.dumps({**summary, **changes}))
+    return run
+
+
+def test_a_run_without_steps_is_refused_naming_it_and_an_incomplete_one_is_named(
+    tmp_path: Path,
+) -> None:
+    good = measured_looking_run(tmp_path, "prefill-sweep")
+    empty = measured_looking_run(tmp_path / "empty", "decode-sweep")
+    steps = pd.read_parquet(empty / "steps.parquet")
+    steps.iloc[:0].to_parquet(empty / "steps.parquet")
+    edit_summary(empty, complete=False, error="vLLM engine step failed: boom")
+    for runs in ([empty], [good, empty]):
+        with pytest.raises(KvsimConfigError, match=rf"{re.escape(str(empty))}: no step ran tokens"):
+            calibrate(runs)
+        cli = CliRunner().invoke(app, ["calibrate", *map(str, runs), "-o", str(tmp_path / "p")])
+        assert cli.exit_code == 2 and "Traceback" not in cli.output, cli.output
+    failed = edit_summary(
+        measured_looking_run(tmp_path / "failed", "decode-sweep"),
+        complete=False,
+        error="vLLM engine step failed: boom",
+    )
+    measured = load_measured([good, failed])
+    assert incomplete_warnings(measured) == [
+        f"{failed} is incomplete: vLLM failed mid-run (vLLM engine step failed: boom); its "
+        f"{len(measured[1].shapes)} steps up to the failure are fitted"
+    ]
+    out = tmp_path / "p.json"
+    args = ["calibrate", str(good), str(failed), "-o", str(out)]
+    cli = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+    assert cli.exit_code == 0 and out.exists(), cli.output
+    assert f"{failed} is incomplete" in " ".join(cli.output.split())
+
+
+@pytest.mark.parametrize(
+    ("field", "first", "second"),
+    [
+        ("served_model", "/models/llama-8b", "/models/qwen-7b"),
+        ("hardware", "H100-SXM-80GB", "A100-80GB"),
+        ("device", "cpu", "cuda"),
+    ],
+)
+def test_runs_that_mix_what_a_profile_describes_are_refused_naming_both(
+    tmp_path: Path, field: str, first: str, second: str
+) -> None:
+    a = edit_summary(measured_looking_run(tmp_path, "prefill-sweep"), **{field: first})
+    b = edit_summary(measured_looking_run(tmp_path, "decode-sweep"), **{field: second})
+    message = f"runs mix {field}: {a} has {first!r}, {b} has {second!r}"
+    with pytest.raises(KvsimConfigError, match=re.escape(message)):
+        calibrate([a, b])
+
+
+def test_runs_recorded_with_the_device_as_hardware_take_their_scenarios_hardware(
+    tmp_path: Path,
+) -> None:
+    old = edit_summary(measured_looking_run(tmp_path, "prefill-sweep"), hardware="cpu")
+    new = measured_looking_run(tmp_path, "decode-sweep")
+    assert load_run(new).summary["hardware"] == "cpu-validation"
+    assert calibrate([old, new]).hardware == "cpu-validation"
+    gpu = edit_summary(measured_looking_run(tmp_path / "gpu", "prefill-sweep"), hardware="H100")
+    assert calibrate([gpu]).hardware == "H100"
+
+
+def test_a_profile_naming_a_device_as_its_hardware_warns_of_no_other_hardware(
+    tmp_path: Path,
+) -> None:
+    for device, hardware in (("cpu", "cpu-validation"), ("cuda", "H100-SXM-80GB")):
+        assert hardware_warning(profile_with(TRUTH, hardware=device), hardware) is None
+    a100 = profile_with(TRUTH, hardware="A100-80GB")
+    assert hardware_warning(a100, "H100-SXM-80GB") == (
+        "the calibration profile was fitted on A100-80GB, not H100-SXM-80GB: its fitted costs "
+        "(and, for a kernel fit, its all-reduce measurements) describe that hardware"
+    )
+    # kvsim run on the validation scenario with a profile kvsim calibrate wrote before
+    # profiles named their hardware (CI's, until 2026-12-06): no "fitted on cpu, not
+    # cpu-validation".
+    old = profile_with(TRUTH, hardware="cpu", model="tiny-llama", vllm_version="0.32.0")
+    save_profile(old, tmp_path / "old.json")
+    validation = SCENARIO_DIR / "validation" / "agentic-multiturn.yaml"
+    small = ["--set", "workload.sessions=2", "--set", "workload.turns.value=2"]
+    args = ["run", str(validation), *small, "--calibration", str(tmp_path / "old.json")]
+    cli = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "run"), "--quiet"])
+    assert cli.exit_code == 0, cli.output
+    assert "the calibration profile was fitted on" not in cli.output

@@ -244,7 +244,8 @@ def test_fit_writes_a_loadable_profile(tiny_raw: Path, tmp_path: Path, torch: An
     assert loaded == profile
     assert loaded.source == "torch-kernels"
     assert loaded.model == "tiny-torch"
-    assert loaded.hardware == raw["environment"]["device_name"]
+    assert loaded.hardware == "H200-141GB"  # the preset: runs on it draw no hardware warning
+    assert loaded.environment["device_name"] == raw["environment"]["device_name"]
     assert loaded.num_steps == len(raw["steps"]) == int(loaded.fit["num_steps"])
     assert loaded.params.mode == "additive"
     assert loaded.environment["torch"] == torch.__version__
@@ -403,7 +404,7 @@ def test_the_committed_h200_profile_loads_and_matches_its_raw_file() -> None:
     profile = load_profile(root / "h200-llama-3.1-8b.json")
     raw = load_raw(root / "h200-llama-3.1-8b.raw.json")
     assert (profile.hardware, profile.model, profile.source) == (
-        "NVIDIA H200",
+        "H200-141GB",
         "Llama-3.1-8B",
         "torch-kernels",
     )

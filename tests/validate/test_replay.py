@@ -48,6 +48,9 @@ def test_replay_records_what_happened_in_the_simulators_schema(engine: Any, tmp_
     assert list(req.columns) == REQUEST_COLUMNS and list(steps.columns) == STEP_COLUMNS
     assert summary["source"] == "vllm" and summary["vllm_version"] == "0.32.0"
     assert summary["dtype"] == cpu_replay_dtype()
+    # What vLLM ran on and how it loaded the weights, from the engine itself.
+    assert (summary["device"], summary["load_format"]) == ("cpu", "dummy")
+    assert summary["hardware"] == scenario.hardware.name and summary["kvsim_version"]
     assert summary["complete"] is True and len(req) == 9 and req["finish_s"].notna().all()
     assert summary["truncated_at_limit"] is False and not result.truncated_at_limit
     # Output lengths are pinned, every token has a time, TTFT <= E2E.
@@ -124,5 +127,6 @@ def test_a_bad_model_path_is_a_clear_error(tmp_path: Path) -> None:
     )
     assert cli.exit_code == 2
     text = " ".join(cli.output.split())
-    assert "vLLM could not start" in text and "no-such-model" in text
-    assert "Traceback" not in text
+    # Refused before vLLM starts (it took 36 s to fail on its own), naming the option.
+    assert f"--model {tmp_path / 'no-such-model'}: no such folder" in text
+    assert "Traceback" not in text and not out.exists()

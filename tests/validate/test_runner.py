@@ -11,14 +11,16 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from sim import __version__ as kvsim_version
 from sim.config.calibration import save_profile
 from sim.report import truncation_line
+from sim.results import RunData
 from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.uncertainty import band_rows, run_samples
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
-from validate.commands import _print_run_status
+from validate.commands import _print_run_status, uncalibrated_line
 from validate.compare import ComparisonRow
 from validate.replay import ReplayResult
 from validate.runner import (
@@ -26,6 +28,7 @@ from validate.runner import (
     build_report,
     measured_summary,
     run_sim,
+    simulation_pricing,
     worker_env,
     write_report,
 )
@@ -166,19 +169,24 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
         "tiny",
         sim.sizing.num_gpu_blocks,
         "float32",
+        load_format="dummy",
     )
     measured = measured_summary(spec, result)
     provenance = {
         "source": "vllm",
+        "kvsim_version": kvsim_version,
         "vllm_version": "0.32.0",
         "device": "cpu",
         "served_model": "tiny",
-        "hardware": "cpu",
+        "load_format": "dummy",
+        # The scenario's hardware, as a simulation of it names it; the device is the device.
+        "hardware": "cpu-validation",
         "allocator": "tcmalloc",
         "dtype": "float32",
         "error": error,
     }
     assert {k: measured[k] for k in provenance} == provenance
+    assert measured["hardware"] == sim.summary["hardware"]
     assert measured["complete"] is (error is None)
     assert measured["truncated_at_limit"] is False
     cut = measured_summary(spec, replace(result, truncated_at_limit=True))
@@ -226,3 +234,47 @@ def test_report_json_is_strict_json_when_vllm_counted_no_preemptions(tmp_path: P
     write_report(replace(report, step_time_ratios=[math.nan, 0.97]), path)
     written = json.loads(path.read_text(), parse_constant=reject)
     assert written["step_time_vs_sim"] == [None, 0.97]
+
+
+def test_the_report_warns_when_vllm_sized_another_kv_cache_than_kvsim(tmp_path: Path) -> None:
+    spec = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
+    sim = run_sim(spec, None, tmp_path / "sim")
+    simulated = sim.summary["kv_cache"]["num_gpu_blocks"]
+    real = fake_replay(spec, tmp_path / "real")
+    assert build_report(spec, sim, [real], None).warnings == []
+
+    def sized(count: int, name: str) -> RunData:
+        kv_cache = {**real.summary["kv_cache"], "num_gpu_blocks": count}
+        return replace(real, summary={**real.summary, "kv_cache": kv_cache}, path=tmp_path / name)
+
+    # Within 1%: vLLM's own rounding, no warning. Beyond: both counts and how to pin them.
+    assert build_report(spec, sim, [sized(int(simulated * 1.009), "near")], None).warnings == []
+    larger = int(simulated * 1.5)
+    warnings = build_report(spec, sim, [sized(larger, "a"), sized(larger, "b")], None).warnings
+    assert warnings == [
+        f"vLLM's KV cache held {larger:,} blocks in the replays {tmp_path / 'a'}, "
+        f"{tmp_path / 'b'} and the simulation's {simulated:,} (+50.0%): preemptions, queueing "
+        "and prefix-cache hits under KV pressure are not comparable; pin both with "
+        f"engine.num_gpu_blocks_override={larger} (e.g. --set "
+        f"engine.num_gpu_blocks_override={larger})"
+    ]
+
+
+def test_without_calibration_the_report_and_the_command_name_the_shipped_kernel_fit(
+    tmp_path: Path,
+) -> None:
+    h100 = load_scenario(SCENARIO_DIR / "coding-agents-8b-h100.yaml")
+    profile, pricing = simulation_pricing(h100, None)
+    assert profile is not None and pricing == "shipped kernel fit for H100-SXM-80GB"
+    assert uncalibrated_line(pricing, h100.hardware.name) == (
+        "no --calibration: the simulated side uses kvsim's shipped kernel fit for H100-SXM-80GB"
+    )
+    cpu = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
+    assert simulation_pricing(cpu, None) == (None, None)
+    assert uncalibrated_line(None, "cpu-validation").startswith(
+        "no --calibration: the simulated side uses the datasheet roofline of cpu-validation"
+    )
+    # What the command prints is what the report records.
+    sim = run_sim(cpu, None, tmp_path / "sim")
+    real = fake_replay(cpu, tmp_path / "real")
+    assert build_report(cpu, sim, [real], None).calibration is None
