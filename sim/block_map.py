@@ -1,7 +1,8 @@
 """Snapshots of every KV block's state over a run: the HBM block map of the dashboard.
 
 Each snapshot is one uint8 per block: 0 free, 1 cached-but-free (prefix cache, evictable),
-2+k owned by a running request of priority class k (k capped so codes stay below 255), 255
+2+k owned by a running request of priority class k, or by one waiting for its CPU offload
+load (k capped so codes stay below 255), 255
 retained: held by the what-if KV retention for a session expected back, and by no running
 request. Snapshots are taken every ``interval``
 steps; when more than ``max_snapshots`` pile up, every other one is dropped and the interval
@@ -77,9 +78,12 @@ class BlockMapRecorder:
         retention = getattr(kv, "retention", None)
         if retention is not None:  # the what-if KV retention's held blocks
             states[retention.held_refs > 0] = RETAINED
+        # Requests waiting for a CPU offload load hold their blocks too (the copy's
+        # destination); listed first, so a block a running request shares shows its class.
+        holders = chain(scheduler.loading, scheduler.running)
         owners = [
             (request.request_id, blocks)
-            for request in scheduler.running
+            for request in holders
             if (blocks := kv.req_to_blocks.get(request.request_id))
         ]
         if owners:

@@ -155,10 +155,15 @@ def by_priority_class(requests: pd.DataFrame) -> dict[str, dict[str, Any]]:
     return out
 
 
-def swap_summary(steps: pd.DataFrame, duration_s: float) -> dict[str, Any]:
+def swap_summary(
+    steps: pd.DataFrame, duration_s: float, *, cpu_blocks: int | None = None, replicas: int = 1
+) -> dict[str, Any]:
     """The ``swap`` section of a swap-preemption run (its step table has the swap columns):
-    blocks, bytes and requests moved each way, swap-outs per minute, seconds spent copying
-    (and their share of the run), and victims that fell back to recompute."""
+    the CPU pool's size in blocks (``cpu_blocks``, one engine's), blocks, bytes and requests
+    moved each way, swap-outs per minute, seconds spent copying (and their share of the
+    run), and victims that fell back to recompute. A fleet of ``replicas`` has a pool per
+    replica: the share of time copying is their mean, the peak the most any replica held,
+    the counts are summed (the section's ``note`` says so)."""
     minutes = duration_s / 60.0 if duration_s > 0 else math.nan
 
     def total(name: str) -> int:
@@ -166,7 +171,18 @@ def swap_summary(steps: pd.DataFrame, duration_s: float) -> dict[str, Any]:
 
     transfer_s = float(steps["swap_transfer_s"].sum()) if not steps.empty else 0.0
     num_swap_outs = total("num_swap_outs")
+    fleet = (
+        {
+            "note": f"a fleet of {replicas} replicas, a CPU swap pool each: cpu_blocks is one "
+            "replica's pool, peak_requests_swapped the most any replica held, "
+            "transfer_time_frac their mean; the other counts are summed over the replicas"
+        }
+        if replicas > 1
+        else {}
+    )
     return {
+        **fleet,
+        **({"cpu_blocks": cpu_blocks} if cpu_blocks is not None else {}),
         "swap_out_blocks": total("swap_out_blocks"),
         "swap_in_blocks": total("swap_in_blocks"),
         "swap_in_reused_blocks": total("swap_in_reused_blocks"),
@@ -177,7 +193,9 @@ def swap_summary(steps: pd.DataFrame, duration_s: float) -> dict[str, Any]:
         "swap_outs_per_minute": _clean(num_swap_outs / minutes),
         "swap_ins_per_minute": _clean(total("num_swap_ins") / minutes),
         "transfer_time_s": transfer_s,
-        "transfer_time_frac": _clean(transfer_s / duration_s) if duration_s > 0 else None,
+        "transfer_time_frac": (
+            _clean(transfer_s / (duration_s * max(1, replicas))) if duration_s > 0 else None
+        ),
         "steps_with_transfers": int((steps["swap_transfer_s"] > 0).sum()) if not steps.empty else 0,
         "recompute_fallbacks": total("num_swap_fallbacks"),
         "peak_requests_swapped": _peak(steps, "num_requests_swapped"),

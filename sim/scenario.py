@@ -29,6 +29,9 @@ from sim.config.model import ModelGeometry, resolve_model
 from sim.config.sizing import KVSizing, oversized_override_line, size_kv_cache
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
 from sim.fleet.config import FleetConfig, fleet_what_if
+from sim.kv.offload import PAGE_SIZE as OFFLOAD_PAGE_SIZE
+from sim.kv.offload import num_offload_blocks
+from sim.kv.swap import num_cpu_blocks
 from sim.workload import AgentSessionsWorkload, WorkloadConfig
 from sim.workload.distributions import BurstArrivals, EmpiricalLength
 from sim.workload.trace import TraceWorkload
@@ -160,6 +163,49 @@ class Scenario(KvsimModel):
                 )
         self.model.check_tensor_parallel(e.tensor_parallel_size)
         return self
+
+    @model_validator(mode="after")
+    def _check_memory_policies(self) -> Scenario:
+        """Refuse a what-if memory policy that would do nothing here: a CPU swap pool or
+        offload store too small for one KV block of this model, KV retention on a workload
+        without sessions."""
+        e = self.engine
+        if e.swap_space_gib is not None or e.kv_offload_gib is not None:
+            tp = e.tensor_parallel_size
+            bytes_per_block = self.model.kv_bytes_per_token(tp) * e.block_size
+            block = f"a {e.block_size}-token block of {self.model.name}"
+            if e.swap_space_gib is not None and not num_cpu_blocks(
+                e.swap_space_gib, bytes_per_block
+            ):
+                raise ValueError(
+                    f"engine.swap_space_gib={e.swap_space_gib:g} holds 0 KV blocks of "
+                    f"{_mib(bytes_per_block)} (one GPU's share of {block}): every preemption "
+                    f"would fall back to recompute; set at least {bytes_per_block / GIB!r} GiB "
+                    "or use engine.preemption_mode=recompute"
+                )
+            if e.kv_offload_gib is not None and not num_offload_blocks(
+                e.kv_offload_gib, bytes_per_block, tp
+            ):
+                chunk = -(-bytes_per_block * tp // OFFLOAD_PAGE_SIZE) * OFFLOAD_PAGE_SIZE
+                raise ValueError(
+                    f"engine.kv_offload_gib={e.kv_offload_gib:g} holds 0 KV blocks of "
+                    f"{_mib(chunk)} ({block} on {tp} GPU(s), in 4 KiB pages): the store would "
+                    f"hold nothing; set at least {chunk / GIB!r} GiB or remove "
+                    "engine.kv_offload_gib"
+                )
+        policy = e.kv_retention.policy
+        if policy != "none" and not isinstance(self.workload, AgentSessionsWorkload):
+            raise ValueError(
+                f"engine.kv_retention.policy={policy} keeps a session's blocks for its next "
+                f"turn, but workload.kind={self.workload.kind} has no sessions (only "
+                "agent_sessions tells the engine; a trace's session_id and turn do not): it "
+                "would retain nothing; use agent_sessions or engine.kv_retention.policy=none"
+            )
+        return self
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.4g} MiB"
 
 
 def apply_override(document: dict[str, Any], assignment: str) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pandas as pd
 
+from sim.kv.swap import num_cpu_blocks
 from sim.metrics import summarize, swap_summary
 from sim.scenario import Scenario
 from sim.workload.base import WorkloadRun
@@ -49,6 +50,15 @@ def build_summary(
         not_arrived = max(0, (workload_run.planned_requests or 0) - len(requests))
     # Only what-if runs carry the key, so the vLLM-exact engine's summaries stay as they were.
     what_if = scenario.engine_what_ifs()
+    engine = scenario.engine
+    swap = None
+    if engine.preemption_mode == "swap" and engine.swap_space_gib is not None:
+        swap = swap_summary(
+            steps,
+            duration_s,
+            cpu_blocks=num_cpu_blocks(engine.swap_space_gib, kv_cache["bytes_per_block"]),
+            replicas=scenario.fleet.replicas if scenario.fleet is not None else 1,
+        )
     return {
         **provenance,
         **({"what_if": what_if} if what_if else {}),
@@ -76,9 +86,5 @@ def build_summary(
             slos=scenario.slos.model_dump(),
         ),
         # Swap preemption only (a what-if): the swap columns summed up.
-        **(
-            {"swap": swap_summary(steps, duration_s)}
-            if scenario.engine.preemption_mode == "swap"
-            else {}
-        ),
+        **({"swap": swap} if swap is not None else {}),
     }

@@ -41,7 +41,7 @@ class RetentionConfig(KvsimModel):
         ge=0.0,
         le=MAX_SECONDS,
         description="Pin time after a turn finishes, in seconds (policies ttl and "
-        "free_floor); 0 retains nothing.",
+        "free_floor); 0 retains nothing: the policy is then none.",
     )
     quantile: float = Field(
         0.9,
@@ -57,6 +57,18 @@ class RetentionConfig(KvsimModel):
         description="Fraction of usable KV blocks that must stay free while anything is "
         "pinned (policy free_floor).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _zero_ttl_is_none(cls, data: Any) -> Any:
+        # A TTL of 0 pins nothing: exactly vLLM 0.32 (policy none), so it is that, and the
+        # run is no what-if (it keeps the fast path, summary and export say none).
+        if isinstance(data, dict) and data.get("policy") in ("ttl", "free_floor"):
+            ttl_s = data.get("ttl_s")
+            reads = {"policy", *READS[data["policy"]]}
+            if type(ttl_s) in (int, float) and ttl_s == 0 and set(data) <= reads:
+                return {"policy": "none"}
+        return data
 
     @model_validator(mode="after")
     def _check_read(self) -> RetentionConfig:

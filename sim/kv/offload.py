@@ -203,7 +203,9 @@ class OffloadStep:
     # cache metrics count them: tokens asked of the store (past the HBM hits), tokens hit.
     query_tokens: int = 0
     hit_tokens: int = 0
-    dropped_blocks: int = 0  # blocks of offers the full store dropped (again if re-offered)
+    # Blocks of offers the full store dropped, counted again each time a request re-offers
+    # them (OffloadTotals.dropped_blocks_distinct counts each once).
+    dropped_blocks: int = 0
     num_loading: int = 0  # requests waiting for their load after scheduling
     store_blocks_used: int = 0  # entries in the CPU store after the step
     transfer_s: float = 0.0  # PCIe seconds of the copies started (stores and loads)
@@ -216,6 +218,9 @@ class OffloadTotals:
     load_requests: int = 0  # loads started (one per admission that hit the store)
     deferred_lookups: int = 0  # lookups told to wait a step for a transfer
     load_wait_s: float = 0.0  # seconds requests waited for their loads, summed
+    # Blocks whose offer the full store dropped at least once, each request's block once
+    # (OffloadStep.dropped_blocks counts every re-offer).
+    dropped_blocks_distinct: int = 0
 
 
 class Offloader:
@@ -225,10 +230,15 @@ class Offloader:
     plans a step, :meth:`after_schedule` once it knows when the step ends, and sets the
     transfer pricing (``transfer_time_s``)."""
 
-    def __init__(self, num_blocks: int, block_size: int, bytes_per_block: int) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, bytes_per_block: int, tensor_parallel: int = 1
+    ) -> None:
+        """``bytes_per_block`` is one GPU's share of a block (what each GPU copies over its
+        own link); the store holds every GPU's share, ``tensor_parallel`` of them."""
         self.store = CpuOffloadStore(num_blocks)
         self.block_size = block_size
         self.bytes_per_block = bytes_per_block
+        self.tensor_parallel = tensor_parallel
         self.now_s = 0.0
         # Seconds to copy n blocks one way; the engine sets the cost model's.
         self.transfer_time_s: Callable[[int], float] = lambda num_blocks: 0.0
@@ -240,12 +250,16 @@ class Offloader:
         self._loading_hashes: dict[int, int] = {}  # hash -> loads in flight reading it
         self._last_store_end_s: dict[str, float] = {}  # per request
         self._offered: dict[str, int] = {}  # blocks offered per request (next_stored_chunk_idx)
+        self._dropped: dict[str, int] = {}  # per request, blocks up to which an offer dropped
         self._touched: dict[str, list[int]] = {}  # hashes a request offered or loaded
         self._load_planned_s: dict[str, float] = {}
         self._loaded: set[str] = set()  # loads ended, requests not yet promoted
         self._loads_version = 0
         self._memo: tuple[tuple[Request, int, int, int, int], int | None] | None = None
         self.step = OffloadStep()
+        # The record of the step just planned (take_step), which after_schedule completes
+        # with the copies that step starts; None once it has.
+        self._planned: OffloadStep | None = None
         self.totals = OffloadTotals()
 
     # -- time ---------------------------------------------------------------------------------
@@ -354,6 +368,7 @@ class Offloader:
         """A finished request: every block it offered or loaded becomes most recent, its
         first block most of all."""
         self._offered.pop(request.request_id, None)
+        self._dropped.pop(request.request_id, None)
         self._last_store_end_s.pop(request.request_id, None)
         touched = self._touched.pop(request.request_id, None)
         if touched:
@@ -365,8 +380,11 @@ class Offloader:
     ) -> None:
         """The step just planned ends at ``end_s``: start its loads then, and offer the
         full prompt blocks its scheduled requests have computed by then (vLLM's
-        ``offload_prompt_only``), copied out once the step has ended."""
-        step = self.step
+        ``offload_prompt_only``), copied out once the step has ended. Counted on that
+        step's record (the one :meth:`take_step` just gave), so each row of the steps table
+        holds the copies its own step started."""
+        step = self._planned if self._planned is not None else self.step
+        self._planned = None
         for transfer in self._new_loads:
             duration_s = self.transfer_time_s(len(transfer.hashes))
             transfer.end_s = self._h2d_free_s = max(end_s, self._h2d_free_s) + duration_s
@@ -387,6 +405,10 @@ class Offloader:
             stored = self.store.prepare_store(hashes)
             if stored is None:  # all or nothing; offered again with the next step's blocks
                 step.dropped_blocks += len(hashes)
+                counted = max(start, self._dropped.get(request_id, 0))
+                if num_full > counted:
+                    self.totals.dropped_blocks_distinct += num_full - counted
+                    self._dropped[request_id] = num_full
                 continue
             offered[request_id] = num_full
             if stored:
@@ -400,21 +422,31 @@ class Offloader:
                 self._last_store_end_s[request_id] = self._d2h_free_s
             step.stored_blocks += len(to_store)
             step.transfer_s += duration_s
+        step.store_blocks_used = self.store.num_used_blocks
 
     def take_step(self, num_loading: int) -> OffloadStep:
-        """This step's record (and a fresh one for the next step)."""
+        """This step's record (and a fresh one for the next step); :meth:`after_schedule`
+        adds the copies the step starts to it."""
         step = self.step
         step.num_loading = num_loading
         step.store_blocks_used = self.store.num_used_blocks
         self.step = OffloadStep()
+        self._planned = step
         return step
 
     def carry(self, step: OffloadStep) -> None:
         """Give back a step record taken by a schedule that ran no step (nothing to run
-        while loads were in flight): its counts go to the next step."""
-        self.step.query_tokens += step.query_tokens
-        self.step.loaded_blocks += step.loaded_blocks
-        self.step.hit_tokens += step.hit_tokens
+        while loads were in flight): every count of it goes to the next step, and so do the
+        copies :meth:`after_schedule` starts for it."""
+        nxt = self.step
+        nxt.stored_blocks += step.stored_blocks
+        nxt.loaded_blocks += step.loaded_blocks
+        nxt.query_tokens += step.query_tokens
+        nxt.hit_tokens += step.hit_tokens
+        nxt.dropped_blocks += step.dropped_blocks
+        nxt.transfer_s += step.transfer_s
+        if self._planned is step:
+            self._planned = None
 
 
 def offload_summary(
@@ -426,8 +458,12 @@ def offload_summary(
 ) -> dict[str, Any]:
     """``summary.json``'s ``offload`` section: what the CPU store held and moved, its hits
     apart from HBM prefix hits, how long requests waited for loads, and what returning
-    turns (turn >= 1 of a session) got."""
+    turns (turn >= 1 of a session) got. ``bytes_per_block`` is one GPU's share of a block;
+    bytes stored and loaded are the whole engine's (every GPU's shard), as the store's size
+    (``kv_offload_gib``, ``store_blocks``) is."""
     offloaders = list(offloaders)
+    tensor_parallel = max((o.tensor_parallel for o in offloaders), default=1)
+    engine_bytes_per_block = bytes_per_block * tensor_parallel
 
     def total(name: str) -> int:
         return int(steps[name].sum()) if len(steps) else 0
@@ -454,14 +490,15 @@ def offload_summary(
         "store_blocks": max((o.store.num_blocks for o in offloaders), default=0),
         "store_blocks_peak": int(steps["offload_store_blocks"].max()) if len(steps) else 0,
         "stored_blocks": total("offload_stored_blocks"),
-        "stored_bytes": total("offload_stored_blocks") * bytes_per_block,
+        "stored_bytes": total("offload_stored_blocks") * engine_bytes_per_block,
         "dropped_blocks": total("offload_dropped_blocks"),
+        "dropped_blocks_distinct": sum(o.totals.dropped_blocks_distinct for o in offloaders),
         "evicted_blocks": sum(o.store.num_evicted for o in offloaders),
         "query_tokens": query,
         "hit_tokens": hits,
         "hit_rate": hits / query if query else None,
         "loaded_blocks": total("offload_loaded_blocks"),
-        "loaded_bytes": total("offload_loaded_blocks") * bytes_per_block,
+        "loaded_bytes": total("offload_loaded_blocks") * engine_bytes_per_block,
         "num_loads": loads,
         "load_wait_s_mean": wait_s / loads if loads else None,
         "deferred_lookups": sum(o.totals.deferred_lookups for o in offloaders),

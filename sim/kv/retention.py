@@ -13,8 +13,9 @@ them. The block pool is untouched: a holder is one more reference on its blocks.
 A holder is released (its blocks freed tail first, in the order ``free`` would have freed
 them; blocks the next turn already touched merely drop to that turn's reference):
 
-- on return: when the session's next request is admitted, after its prefix lookup touched
-  the blocks (so it hits them all);
+- on return: when the session's next turn is admitted, after its prefix lookup touched
+  the blocks (so it hits them all); a request of the session that arrived before the pin
+  (another sub-call of the same fan-out turn, admitted late) leaves it in place;
 - on expiry: ``ttl`` after the turn finished (``policy: ttl`` and ``free_floor``: ``ttl_s``;
   ``policy: tool_latency``: the ``quantile`` of the session's tool-latency distribution).
   The pin covers the closed interval [finish, finish + ttl]; once the session's next
@@ -32,8 +33,9 @@ The KV cache manager has no clock, so expiry is lazy: every ``allocate_slots``,
 ``get_computed_blocks`` and ``free`` of a retaining manager first releases the holders whose
 time has passed (their idle block-seconds are counted to the exact expiry time). A step's
 scheduler decisions are all taken at one simulated instant, so nothing the scheduler sees
-differs from releasing them at the exact time. TTL 0 retains nothing (identical to
-``policy: none``).
+differs from releasing them at the exact time. A fixed TTL of 0 is read as ``policy: none``
+(``sim/config/retention.py``); a ``tool_latency`` TTL of 0 (a session without a tool
+latency) retains nothing.
 """
 
 from __future__ import annotations
@@ -66,7 +68,8 @@ class RetentionHolder:
         self.block_ids = block_ids
         self.start_s = start_s
         self.expiry_s = expiry_s
-        # The session's next request has arrived: no expiry any more.
+        # The session's next turn has arrived (a request of the session arrived after the
+        # pin): no expiry any more, and its admission releases the pin.
         self.returned = False
         self.seq = seq
 
@@ -182,11 +185,15 @@ class KVRetention:
                 holder.returned = True
 
     def on_admit(self, request: Request) -> None:
-        """A request was admitted (its prefix hits touched): its session's holder goes."""
+        """A request was admitted (its prefix hits touched): if it is its session's next
+        turn, the session's holder goes. Only a request that arrived after the pin is (see
+        :meth:`on_arrival`): the other sub-calls of a fan-out turn arrive with the one that
+        pinned and may be admitted after it finished (queued, re-admitted after a
+        preemption, swapped in); their admission leaves the pin for the next turn."""
         hint = request.session_hint
         if hint is not None:
             holder = self.holders.get(hint.session_id)
-            if holder is not None:
+            if holder is not None and holder.returned:
                 ids = np.asarray(holder.block_ids, dtype=np.int64)
                 self.num_blocks_hit_on_return += int(np.count_nonzero(self.pool.ref_cnt[ids] > 1))
                 self._release(holder, RETURN, self.clock())

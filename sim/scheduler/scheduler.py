@@ -101,6 +101,7 @@ class Scheduler(LazyDecodes):
                 ),
                 config.block_size,
                 bytes_per_block,
+                config.tensor_parallel_size,
             )
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

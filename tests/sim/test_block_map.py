@@ -146,6 +146,24 @@ class CheckedOffloadMap(CheckedCpuMap):
     """Checks every CPU offload store snapshot against the store at that moment."""
 
     instances: ClassVar[list[CheckedCpuMap]] = []
+    with_loading = 0  # snapshots with a request waiting for its load
+
+    def maybe_snapshot(
+        self, step: int, now_s: float, scheduler: Scheduler, class_of: Callable[[str], str]
+    ) -> None:
+        taken = len(self.states)
+        super().maybe_snapshot(step, now_s, scheduler, class_of)
+        if len(self.states) == taken:
+            return
+        # A request waiting for its load holds its HBM blocks (the copy's destination):
+        # owned, in its class (unless a running request shares them), never free.
+        tables = scheduler.kv_cache_manager.req_to_blocks
+        running = {b for r in scheduler.running for b in tables[r.request_id]}
+        for request in scheduler.loading:
+            code = OWNED_BASE + self.classes[class_of(request.request_id)]
+            blocks = [b for b in tables[request.request_id] if b not in running]
+            assert blocks and (self.states[-1][blocks] == code).all()
+            self.with_loading += 1
 
     def expected(
         self, scheduler: Scheduler, class_of: Callable[[str], str]
@@ -180,6 +198,7 @@ def test_an_offload_run_snapshots_its_cpu_store(
     result = simulate(scenario)
     (block_map,) = CheckedOffloadMap.instances
     assert block_map.with_held > 0
+    assert isinstance(block_map, CheckedOffloadMap) and block_map.with_loading > 0
     assert result.summary["offload"]["num_loads"] > 0
     monkeypatch.undo()
     result.write(tmp_path / "offload")

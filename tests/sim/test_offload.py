@@ -117,11 +117,13 @@ def test_prompt_blocks_are_stored_as_computed_and_a_returning_prefix_is_loaded()
     scheduler.add_request(a)
     output, _ = run_step(scheduler, 0.0)
     assert output.num_scheduled_tokens == {"a": 64}
-    # Copied out once the step has ended (t=1): 4 blocks x 0.5 s, readable from t=3.
-    assert offloader.step.stored_blocks == 4
+    # Copied out once the step has ended (t=1): 4 blocks x 0.5 s, readable from t=3, and
+    # counted on this step's own row.
+    assert output.offload.stored_blocks == 4 and output.offload.transfer_s == 2.0
+    assert output.offload.store_blocks_used == 4
     assert list(offloader.store.entries) == a.block_hashes[:4]
     output, _ = run_step(scheduler, 1.0)  # a decodes its last token (not a prompt block)
-    assert offloader.step.stored_blocks == 0
+    assert output.offload.stored_blocks == 0 and output.offload.transfer_s == 0.0
     assert not scheduler.has_unfinished_requests()
 
     # b (112 unrelated tokens, 7 blocks) evicts every one of a's blocks from HBM.
@@ -140,6 +142,7 @@ def test_prompt_blocks_are_stored_as_computed_and_a_returning_prefix_is_loaded()
     assert c.num_computed_tokens == 64
     assert output.offload is not None
     assert output.offload.loaded_blocks == 4 and output.offload.hit_tokens == 64
+    assert output.offload.transfer_s == 2.0  # the load's copy, started when this step ends
     assert output.offload.num_loading == 1 and list(scheduler.loading) == [c]
     assert len(kv.block_table("c")) == 4
     assert [kv.block_pool.get_cached_block(h) for h in c.block_hashes[:4]] == [None] * 4
@@ -154,7 +157,7 @@ def test_prompt_blocks_are_stored_as_computed_and_a_returning_prefix_is_loaded()
     table = kv.block_table("c")
     assert [kv.block_pool.get_cached_block(h) for h in c.block_hashes[:4]] == table[:4]
     # The loaded blocks are not offered again (chunk-level policy); the new full one is.
-    assert offloader.step.stored_blocks == 1
+    assert output.offload.stored_blocks == 1
     assert offloader.totals.load_wait_s == 3.0  # planned at t=4, seen done at t=7
 
 
@@ -231,24 +234,41 @@ def test_a_store_with_no_room_is_dropped() -> None:
     assert offloader is not None
     a = make_request("a", 48, max_tokens=1)
     scheduler.add_request(a)
-    run_step(scheduler, 0.0)
+    output, _ = run_step(scheduler, 0.0)
     # 3 full blocks offered to a store of 2: all or nothing, the offer is dropped (vLLM
     # counts an allocation failure and offers the blocks again with the request's next).
-    assert offloader.step.dropped_blocks == 3 and offloader.store.num_used_blocks == 0
+    assert output.offload.dropped_blocks == 3 and offloader.store.num_used_blocks == 0
+    assert offloader.totals.dropped_blocks_distinct == 3
 
 
-def test_offload_with_an_empty_store_makes_the_default_decisions() -> None:
-    # A store too small for one block never holds or loads anything: the scheduler's
-    # offload pass must then decide exactly as vLLM's plain waiting pass.
+def test_a_dropped_offer_made_again_counts_its_blocks_once_as_distinct() -> None:
+    scheduler = offload_scheduler(num_gpu_blocks=12, num_cpu=2, max_num_batched_tokens=48)
+    offloader = scheduler.offloader
+    assert offloader is not None
+    scheduler.add_request(make_request("a", 80, max_tokens=1))
+    first, _ = run_step(scheduler, 0.0)  # 3 blocks computed, offered, dropped
+    second, _ = run_step(scheduler, 1.0)  # the 3 again with the next 2: dropped again
+    assert (first.offload.dropped_blocks, second.offload.dropped_blocks) == (3, 5)
+    assert offloader.totals.dropped_blocks_distinct == 5  # a's 5 blocks, each once
+
+
+def test_offload_with_an_empty_store_makes_the_default_decisions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A store of no block (a scenario refuses one: here forced) never holds or loads
+    # anything: the scheduler's offload pass must then decide exactly as vLLM's plain
+    # waiting pass.
     raw = scenario_with(PRESSURE)
     default = simulate(parse_scenario(raw, "default"))
     assert default.summary["metrics"]["vllm:num_preemptions"]["total"] > 0
-    empty = simulate(parse_scenario(scenario_with(raw, kv_offload_gib=1e-9), "empty"))
+    monkeypatch.setattr("sim.scheduler.scheduler.num_offload_blocks", lambda *args: 0)
+    empty = simulate(parse_scenario(scenario_with(raw, kv_offload_gib=1.0), "empty"))
     pd.testing.assert_frame_equal(default.requests, empty.requests, check_exact=True)
     pd.testing.assert_frame_equal(default.steps, empty.steps[STEP_COLUMNS], check_exact=True)
     offload = empty.summary["offload"]
     assert offload["store_blocks"] == 0 and offload["loaded_blocks"] == 0
-    assert offload["dropped_blocks"] > 0
+    # Every prompt block is dropped (each request's once), re-offers counted again.
+    assert offload["dropped_blocks"] > offload["dropped_blocks_distinct"] > 0
     assert empty.summary["metrics"] == default.summary["metrics"]
 
 
@@ -298,6 +318,45 @@ def test_a_step_that_runs_nothing_while_loads_are_in_flight_keeps_its_counts() -
     assert steps["step"].tolist() == list(range(1, len(steps) + 1))
     # Every first admission asked HBM's prefix cache for its prompt, once.
     assert int(steps["prefix_cache_queries"].sum()) == int(requests["prompt_tokens"].sum())
+    assert_every_copy_counted(result.summary["offload"], steps)
+
+
+def assert_every_copy_counted(offload: dict[str, Any], steps: pd.DataFrame) -> None:
+    """Every block stored is still in the store or was evicted, and the copy seconds are
+    those of every block stored and loaded: no step's stores or copy time are lost (a step
+    that ran nothing, the run's last step) and each row holds its own step's."""
+    assert offload["stored_blocks"] == (
+        int(steps["offload_store_blocks"].iat[-1]) + offload["evicted_blocks"]
+    )
+    assert offload["store_blocks_peak"] == int(steps["offload_store_blocks"].max())
+    stores_only = steps[
+        (steps["offload_stored_blocks"] > 0) & (steps["offload_loaded_blocks"] == 0)
+    ]
+    row = stores_only.iloc[0]
+    per_block_s = row["offload_transfer_s"] / row["offload_stored_blocks"]
+    copied = offload["stored_blocks"] + offload["loaded_blocks"]
+    assert offload["transfer_time_s"] == pytest.approx(copied * per_block_s, rel=1e-9)
+    # A step's stores are on its own row: the first step prefills and stores.
+    assert steps["offload_stored_blocks"].iat[0] > 0
+
+
+def test_idle_loads_with_tiny_outputs_lose_no_store() -> None:
+    # Outputs of one to four tokens: turns end within a few steps of their prefill, so the
+    # steps whose stores went to a step that ran nothing (discarded) are many.
+    raw = scenario_with(PRESSURE, num_gpu_blocks_override=140, kv_offload_gib=8.0)
+    raw["workload"] |= {
+        "sessions": 6,
+        "session_arrival": {"kind": "poisson", "rate_per_s": 0.3},
+        "turns": {"kind": "fixed", "value": 4},
+        "output_tokens": {"kind": "uniform", "low": 1, "high": 4},
+        "tool_latency": {"kind": "fixed", "value_s": 8.0},
+    }
+    result = simulate(parse_scenario(raw, "idle-stores"))
+    offload = result.summary["offload"]
+    assert offload["num_loads"] == 10
+    # 249 blocks stored, none evicted (the steps' records used to lose 56 of them).
+    assert (offload["stored_blocks"], offload["evicted_blocks"]) == (249, 0)
+    assert_every_copy_counted(offload, result.steps)
 
 
 # -- config errors -------------------------------------------------------------------------------
@@ -319,6 +378,16 @@ def test_a_step_that_runs_nothing_while_loads_are_in_flight_keeps_its_counts() -
             "does not combine",
         ),
         (["engine.kv_offload_gib=4096"], "more host memory than hardware"),
+        (
+            ["engine.kv_offload_gib=0.001"],
+            "engine.kv_offload_gib=0.001 holds 0 KV blocks of 2 MiB (a 16-token block of "
+            "Llama-3.1-8B on 1 GPU(s), in 4 KiB pages)",
+        ),
+        (
+            ["engine.kv_offload_gib=0.0015", "engine.tensor_parallel_size=2"],
+            "engine.kv_offload_gib=0.0015 holds 0 KV blocks of 2 MiB (a 16-token block of "
+            "Llama-3.1-8B on 2 GPU(s)",
+        ),
     ],
 )
 def test_bad_offload_configs_are_errors_naming_the_field(
@@ -335,6 +404,9 @@ def test_offload_within_host_memory_of_a_tensor_parallel_engine_is_accepted() ->
         ["engine.kv_offload_gib=400", "engine.tensor_parallel_size=2"],
     )
     assert scenario.engine.kv_offload_gib == 400
+    # One block (2 MiB) is the least a store may hold: accepted.
+    one_block = load_scenario("scenarios/agent-burst.yaml", ["engine.kv_offload_gib=0.001953125"])
+    assert one_block.engine.kv_offload_gib == 2 / 1024
     with pytest.raises(pydantic.ValidationError, match="kv_offload_gib"):
         EngineConfig(kv_offload_gib=4.0, allocator="static", enable_prefix_caching=False)
 
@@ -356,3 +428,17 @@ def test_a_fleets_offload_section_says_which_figures_are_one_replicas() -> None:
     assert offload["transfer_time_frac"] == pytest.approx(
         steps["offload_transfer_s"].sum() / (2 * fleet.summary["duration_s"])
     )
+
+
+def test_offload_bytes_are_the_whole_engines_under_tensor_parallelism() -> None:
+    # The store's size is the engine's (every GPU's shard); so are the bytes it moved.
+    raw = scenario_with(PRESSURE, kv_offload_gib=1.0, tensor_parallel_size=2)
+    result = simulate(parse_scenario(raw, "tp2"))
+    offload = result.summary["offload"]
+    per_gpu = result.summary["kv_cache"]["bytes_per_block"]
+    assert offload["store_blocks"] == GIB // (2 * per_gpu)
+    assert offload["stored_blocks"] > 0 and offload["loaded_blocks"] > 0
+    assert offload["stored_bytes"] == offload["stored_blocks"] * 2 * per_gpu
+    assert offload["loaded_bytes"] == offload["loaded_blocks"] * 2 * per_gpu
+    # A full store's bytes are its size.
+    assert offload["store_blocks"] * offload["stored_bytes"] // offload["stored_blocks"] == GIB

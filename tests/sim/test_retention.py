@@ -137,6 +137,35 @@ def test_the_next_turn_hits_the_pinned_blocks_and_releases_the_pin_at_admission(
     assert retention.held_block_s == 2 * 2.0  # two blocks from t=1 to t=3
 
 
+def test_a_fan_out_sibling_admitted_after_the_pin_leaves_it_for_the_next_turn() -> None:
+    # A fan-out turn: f0 and f1 arrive together and share the turn's context; f0 pins it
+    # when it finishes, f1 (queued, or preempted and re-admitted) is admitted only after.
+    kv, clock = make_manager(num_gpu_blocks=16, policy="ttl", ttl_s=5.0)
+    context = tokens(100, 32)
+    f0 = make_request("s0-t1-f0", context + tokens(300, 8), session_id=0)
+    f1 = make_request("s0-t1-f1", context + tokens(400, 8), session_id=0, returns=False)
+    kv.on_arrival(f0)
+    kv.on_arrival(f1)
+    admit(kv, f0)
+    clock.now_s = 1.0
+    finish(kv, f0)
+    retention = kv.retention
+    assert retention is not None and retention.holders[0].block_ids == [1, 2]
+    clock.now_s = 2.0
+    assert admit(kv, f1)[:2] == [1, 2]  # it hits the pinned context...
+    assert 0 in retention.holders  # ...but is not the session's next turn: the pin stays
+    assert retention.num_releases["return"] == 0 and retention.num_blocks_hit_on_return == 0
+    clock.now_s = 3.0
+    finish(kv, f1)
+    clock.now_s = 4.0
+    turn2 = make_request("s0-t2", context + tokens(300, 8) + tokens(700, 24), session_id=0)
+    kv.on_arrival(turn2)
+    assert admit(kv, turn2)[:2] == [1, 2]
+    assert not retention.holders
+    assert retention.num_releases == {"return": 1, "expiry": 0, "floor": 0, "starved": 0}
+    assert retention.num_blocks_hit_on_return == 2
+
+
 def test_ttl_expiry_is_exact_and_frees_in_free_order() -> None:
     kv, clock = make_manager(policy="ttl", ttl_s=5.0)
     pool = kv.block_pool
@@ -310,13 +339,21 @@ def run(num_gpu_blocks: int, retention: dict[str, Any] | None = None) -> Simulat
     return simulate(parse_scenario(scenario_doc(num_gpu_blocks, retention), "test"))
 
 
-def test_ttl_zero_equals_no_retention() -> None:
+def test_ttl_zero_is_no_retention() -> None:
+    # A TTL of 0 pins nothing: it is vLLM 0.32's policy none, and no what-if (the summary,
+    # the resolved scenario and an export see none).
     default = run(300)
+    for policy in ({"policy": "ttl", "ttl_s": 0.0}, {"policy": "free_floor", "ttl_s": 0}):
+        scenario = parse_scenario(scenario_doc(300, policy), "test")
+        assert scenario.engine.kv_retention == RetentionConfig()
+        assert scenario.what_ifs() == [] and "kv_retention" not in scenario_to_yaml(scenario)
     zero = run(300, {"policy": "ttl", "ttl_s": 0.0})
     pd.testing.assert_frame_equal(default.requests, zero.requests, check_exact=True)
     pd.testing.assert_frame_equal(default.steps, zero.steps, check_exact=True)
-    section = zero.summary["retention"]
-    assert section["num_retentions"] == 0 and section["held_block_s"] == 0.0
+    assert zero.summary == default.summary
+    # A setting the policy does not read is still refused, not dropped with the TTL.
+    with pytest.raises(KvsimConfigError, match=r"kv_retention\.quantile is set but policy ttl"):
+        parse_scenario(scenario_doc(300, {"policy": "ttl", "ttl_s": 0, "quantile": 0.5}), "t")
 
 
 def test_with_ample_hbm_retention_changes_nothing_but_the_free_blocks() -> None:
@@ -390,6 +427,38 @@ def test_bad_retention_configs_name_the_field(assignment: str, field: str) -> No
         )
     assert field in str(info.value)
     assert "Traceback" not in str(info.value)
+
+
+@pytest.mark.parametrize("kind", ["open_loop", "trace"])
+def test_retention_without_sessions_is_refused(kind: str, tmp_path: Any) -> None:
+    # Only agent sessions give their requests a session hint; a trace's session_id and turn
+    # columns do not (the trace workload submits rows open loop): retention would do nothing.
+    trace = tmp_path / "sessions.jsonl"
+    rows = [
+        {"timestamp": t, "input_length": 200, "output_length": 20, "session_id": 0, "turn": t}
+        for t in range(3)
+    ]
+    trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    document = scenario_doc(300, {"policy": "tool_latency"})
+    document["workload"] = (
+        {"kind": "trace", "path": str(trace)}
+        if kind == "trace"
+        else {
+            "kind": "open_loop",
+            "num_requests": 10,
+            "arrival": {"kind": "poisson", "rate_per_s": 1},
+        }
+    )
+    with pytest.raises(KvsimConfigError) as info:
+        parse_scenario(document, "test")
+    message = str(info.value)
+    assert (
+        "engine.kv_retention.policy=tool_latency keeps a session's blocks for its next turn, "
+        f"but workload.kind={kind} has no sessions"
+    ) in message
+    assert "\n" not in message
+    document["engine"]["kv_retention"] = {"policy": "none"}
+    assert parse_scenario(document, "test").what_ifs() == []
 
 
 def test_default_outputs_do_not_mention_retention() -> None:

@@ -353,6 +353,11 @@ def test_swap_summary_adds_up_the_step_columns() -> None:
     )
     steps = result.steps
     swap = result.summary["swap"]
+    assert swap["cpu_blocks"] == 153  # 0.3 GiB of 2 MiB blocks
+    assert "note" not in swap
+    assert swap["transfer_time_frac"] == pytest.approx(
+        swap["transfer_time_s"] / result.summary["duration_s"]
+    )
     assert swap["swap_out_blocks"] == int(steps["swap_out_blocks"].sum()) > 0
     assert swap["swap_in_bytes"] == int(steps["swap_in_bytes"].sum())
     assert swap["transfer_time_s"] == float(steps["swap_transfer_s"].sum()) > 0
@@ -368,7 +373,37 @@ def test_swap_summary_adds_up_the_step_columns() -> None:
     )
 
 
+def test_a_fleets_swap_section_says_which_figures_are_one_replicas() -> None:
+    raw = {
+        **scenario_with(PRESSURE, preemption_mode="swap", swap_space_gib=0.3),
+        "fleet": {"replicas": 2},
+    }
+    fleet = simulate(parse_scenario(raw, "fleet"))
+    swap, steps = fleet.summary["swap"], fleet.steps
+    assert swap["note"].startswith("a fleet of 2 replicas, a CPU swap pool each")
+    assert swap["cpu_blocks"] == 153  # one replica's pool, not two
+    assert swap["transfer_time_s"] == float(steps["swap_transfer_s"].sum()) > 0
+    # Each replica copies over its own link: the share of time copying is their mean.
+    assert swap["transfer_time_frac"] == pytest.approx(
+        swap["transfer_time_s"] / (2 * fleet.summary["duration_s"])
+    )
+    assert swap["peak_requests_swapped"] == int(steps["num_requests_swapped"].max())
+
+
 # -- config errors -------------------------------------------------------------------------------
+def test_a_swap_space_without_room_for_one_block_is_refused() -> None:
+    message = (
+        "engine.swap_space_gib=0.001 holds 0 KV blocks of 2 MiB (one GPU's share of a "
+        "16-token block of Llama-3.1-8B): every preemption would fall back to recompute"
+    )
+    sets = ["engine.preemption_mode=swap", "engine.swap_space_gib=0.001"]
+    with pytest.raises(KvsimConfigError, match=re.escape(message)):
+        load_scenario("scenarios/agent-burst.yaml", sets)
+    # Under TP a GPU's share is smaller: 1 MiB at TP2, so 0.001 GiB holds one.
+    spec = load_scenario("scenarios/agent-burst.yaml", [*sets, "engine.tensor_parallel_size=2"])
+    assert spec.engine.swap_space_gib == 0.001
+
+
 def test_swap_without_swap_space_is_an_error_naming_the_field() -> None:
     with pytest.raises(
         pydantic.ValidationError, match=re.escape("engine.swap_space_gib is required")
