@@ -71,8 +71,9 @@ class BlockMapRecorder:
             return
         kv = scheduler.kv_cache_manager
         pool = kv.block_pool
-        # Every block in the prefix cache is free or owned by a running request, and the
-        # owned ones are marked next.
+        # Every block in the prefix cache is free or owned (by a running request, a request
+        # waiting for its offload load, or a retention pin), and the owned ones are marked
+        # next.
         states = np.zeros(pool.num_gpu_blocks, dtype=np.uint8)
         states[pool.cached_block_ids()] = CACHED
         retention = getattr(kv, "retention", None)

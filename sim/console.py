@@ -22,7 +22,7 @@ def fail(message: str) -> typer.Exit:
 
 def note(text: str, style: str = "yellow") -> None:
     """Print ``text`` to stderr in ``style``; brackets in it are text, not rich markup."""
-    err_console.print(text, style=style, markup=False, highlight=False)
+    err_console.print(text, style=style, markup=False, highlight=False, soft_wrap=True)
 
 
 def count_progress(quiet: bool, transient: bool = False) -> Progress:

@@ -72,7 +72,10 @@ def format_validation_error(exc: pydantic.ValidationError, source: str) -> str:
     for error in errors[:_MAX_ERRORS]:
         message = _bounded(str(error["msg"]).removeprefix(_VALUE_ERROR_PREFIX))
         path = _bounded(_format_loc(error["loc"]), 120)
-        if error["type"] == "missing" or (path and isinstance(error["input"], dict)):
+        section_check = error["type"] in ("value_error", "assertion_error") and isinstance(
+            error["input"], dict
+        )
+        if error["type"] == "missing" or (path and section_check):
             parts.append(f"{path}: {message}")
         elif path:
             parts.append(f"{path} = {_format_input(error['input'])}: {message}")

@@ -26,12 +26,16 @@ from sim.config.hardware import GIB, Hardware, resolve_hardware
 from sim.config.limits import MAX_SECONDS, MAX_SEED, KvsimModel
 from sim.config.loading import is_file, load_yaml, read_text
 from sim.config.model import ModelGeometry, resolve_model
-from sim.config.sizing import KVSizing, oversized_override_line, size_kv_cache
+from sim.config.sizing import (
+    KVSizing,
+    num_cpu_blocks,
+    num_offload_blocks,
+    offload_chunk_bytes,
+    oversized_override_line,
+    size_kv_cache,
+)
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
 from sim.fleet.config import FleetConfig, fleet_what_if
-from sim.kv.offload import PAGE_SIZE as OFFLOAD_PAGE_SIZE
-from sim.kv.offload import num_offload_blocks
-from sim.kv.swap import num_cpu_blocks
 from sim.workload import AgentSessionsWorkload, WorkloadConfig
 from sim.workload.distributions import BurstArrivals, EmpiricalLength
 from sim.workload.trace import TraceWorkload
@@ -186,7 +190,7 @@ class Scenario(KvsimModel):
             if e.kv_offload_gib is not None and not num_offload_blocks(
                 e.kv_offload_gib, bytes_per_block, tp
             ):
-                chunk = -(-bytes_per_block * tp // OFFLOAD_PAGE_SIZE) * OFFLOAD_PAGE_SIZE
+                chunk = offload_chunk_bytes(bytes_per_block, tp)
                 raise ValueError(
                     f"engine.kv_offload_gib={e.kv_offload_gib:g} holds 0 KV blocks of "
                     f"{_mib(chunk)} ({block} on {tp} GPU(s), in 4 KiB pages): the store would "

@@ -13,7 +13,7 @@ from typing import Any
 
 import pandas as pd
 
-from sim.kv.swap import num_cpu_blocks
+from sim.config.sizing import num_cpu_blocks
 from sim.metrics import summarize, swap_summary
 from sim.scenario import Scenario
 from sim.workload.base import WorkloadRun

@@ -59,7 +59,7 @@ CI_DURATIONS = 25
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    if in_ci() and not config.option.durations:
+    if in_ci() and config.option.durations is None:
         config.option.durations = CI_DURATIONS
 
 

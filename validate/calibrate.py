@@ -214,6 +214,8 @@ def check_one_of_each(runs: Sequence[RunData], scenarios: Sequence[Scenario]) ->
         "served_model": [r.summary.get("served_model") for r, _ in pairs],
         "hardware": [run_hardware(r, s) for r, s in pairs],
         "device": [r.summary.get("device") for r, _ in pairs],
+        # vLLM's name of the GPU (runs before 2026-12-06 have none: they pass as one).
+        "device_name": [r.summary.get("device_name") for r, _ in pairs],
         "tensor_parallel_size": [s.engine.tensor_parallel_size for _, s in pairs],
     }
     for what, values in described.items():

@@ -8,9 +8,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
-from sim.console import console, err_console, fail
+from sim.console import console, err_console, fail, note
 from sim.errors import KvsimConfigError
 from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
@@ -139,7 +140,8 @@ def replay_cmd(
         out_dir = out or new_run_dir(Path("runs"), f"{spec.name}-vllm-{device}")
         check_out_free(out_dir)
         _print_plan_warnings(plan)
-        err_console.print(start_line(spec, device, plan, vllm_log_path(out_dir)), highlight=False)
+        line = start_line(spec, device, plan, vllm_log_path(out_dir))
+        err_console.print(line, markup=False, highlight=False)
         with ProgressDisplay(err_console, f"replaying {spec.name}") as progress:
             real = run_real(spec, device, model, out_dir, progress)
     except (KvsimConfigError, EngineFailure, FileExistsError, ValueError, OSError) as exc:
@@ -149,20 +151,20 @@ def replay_cmd(
 
 def _print_plan_warnings(plan: ReplayPlan) -> None:
     for warning in plan.warnings:
-        err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+        note(warning)
 
 
 def _print_run_status(run: RunData) -> None:
     s = run.summary
     if not s.get("complete"):
-        note = vllm_version_note(s.get("vllm_version"))
-        status = f"[red]INCOMPLETE[/red]: {s.get('error')}{note}"
+        version = vllm_version_note(s.get("vllm_version"))
+        status = f"[red]INCOMPLETE[/red]: {escape(str(s.get('error')))}{escape(version)}"
     elif s.get("truncated_at_limit"):
         status = "[yellow]TRUNCATED[/yellow] at limits.max_duration_s"
     else:
         status = "complete"
     console.print(
-        f"{run.path}: {s['num_finished']}/{s['num_requests']} requests, "
+        f"{escape(str(run.path))}: {s['num_finished']}/{s['num_requests']} requests, "
         f"{s['duration_s']:.1f} s, vLLM {s.get('vllm_version')}, {status}",
         highlight=False,
     )
@@ -238,17 +240,17 @@ def validate_cmd(
             ) from None
         warning = profile.budget_warning(spec.engine.max_num_batched_tokens) if profile else None
         if warning:  # before the replay, which takes as long as the scenario
-            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+            note(warning)
         if profile is None:
             pricing = simulation_pricing(spec, None)[1]
             line = uncalibrated_line(pricing, spec.hardware.name)
-            err_console.print(f"[yellow]{line}[/yellow]", highlight=False)
+            note(line)
         _print_plan_warnings(plan)
 
         def on_start(i: int, run_dir: Path) -> None:
             of_runs = f" (run {i} of {repeats})" if repeats > 1 else ""
             line = start_line(spec, device, plan, vllm_log_path(run_dir), of_runs)
-            err_console.print(line, highlight=False)
+            err_console.print(line, markup=False, highlight=False)
             progress.restart(f"replaying {spec.name}{of_runs}")
 
         with ProgressDisplay(err_console, f"replaying {spec.name}") as progress:
@@ -281,17 +283,17 @@ def validate_cmd(
         references = {r.metric: r.reference for r in report.rows}
         console.print(band_table(report.band, samples, False, references, reference))
         if band_warning:
-            err_console.print(f"[yellow]{band_warning}[/yellow]", highlight=False)
+            note(band_warning)
     if report.shape_coverage is not None:
         console.print(
             f"shape coverage: {100 * report.shape_coverage:.1f}% of the simulation's steps are "
             "batch shapes the calibration profile was fitted on",
             highlight=False,
         )
-    for note in report.warnings:
-        if note != warning:  # the budget warning was printed before the replay
-            err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
-    console.print(f"report written to {out_dir / 'report.json'}", highlight=False)
+    for line in report.warnings:
+        if line != warning:  # the budget warning was printed before the replay
+            note(line)
+    console.print(f"report written to {out_dir / 'report.json'}", markup=False, highlight=False)
 
 
 def uncalibrated_line(pricing: str | None, hardware_name: str) -> str:
@@ -386,8 +388,8 @@ def calibrate_cmd(
             notes = vidur_warnings(profile, gpu)
         else:
             measured = load_measured(runs or [])
-            for note in incomplete_warnings(measured):  # before the fit, which takes a while
-                err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
+            for line in incomplete_warnings(measured):  # before the fit, which takes a while
+                note(line)
             if leave_one_out:
                 scenario_groups(measured)  # before the fit: two scenarios at least
             with console.status("fitting on all runs, and once per held-out scenario ..."):
@@ -403,11 +405,12 @@ def calibrate_cmd(
     fit = profile.fit
     if vidur is not None:
         for warning in notes:
-            err_console.print(f"[yellow]{warning}[/yellow]", highlight=False)
+            note(warning)
         console.print(
             f"fitted kernel parameters of {profile.hardware} on {profile.num_steps} layer "
             f"measurements of {profile.model}: median {fit['median_abs_pct_error']:.1f}%, "
             f"max {fit['max_abs_pct_error']:.1f}% per layer; wrote {output}",
+            markup=False,
             highlight=False,
         )
         gemm = profile.params.kernels.gemm if profile.params.kernels else None
@@ -423,6 +426,7 @@ def calibrate_cmd(
         f"fitted {profile.num_steps} steps of {profile.model} on {profile.hardware} "
         f"(vLLM {profile.vllm_version}): r2 {fit.get('r2', float('nan')):.3f}, "
         f"mean abs error {fit.get('mape', float('nan')):.1f}% per step; wrote {output}",
+        markup=False,
         highlight=False,
     )
     if profile.run_step_ratios and profile.step_residual_quantiles:
@@ -437,7 +441,7 @@ def calibrate_cmd(
                 highlight=False,
             )
         else:
-            err_console.print(f"[yellow]{profile.budget_warning(budget)}[/yellow]", highlight=False)
+            note(profile.budget_warning(budget))
     if leave_one_out:
         console.print(held_out_table(*errors))
 
@@ -526,10 +530,10 @@ def compare_cmd(
     rows = compare_summaries(a.summary, b.summary)
     console.print(error_table(rows, f"{run_a} vs {run_b}", a.label, b.label))
     for run, path in ((a, run_a), (b, run_b)):
-        for note in partial_lines(run.summary, str(path)):
-            err_console.print(f"[yellow]{note}[/yellow]", highlight=False)
+        for line in partial_lines(run.summary, str(path)):
+            note(line)
         if what_if := what_if_line(run.summary, str(path)):
-            err_console.print(f"[cyan]{what_if}[/cyan]", highlight=False)
+            note(what_if, "cyan")
     if out is not None:
         try:
             out.write_text(json.dumps(rows_to_records(rows), indent=2, allow_nan=False) + "\n")

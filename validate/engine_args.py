@@ -44,7 +44,13 @@ def cpu_replay_dtype(cpuinfo: str | None = None) -> str:
 
 # Files that hold a model's weights (or index them): a local model folder without any is a
 # config only, which a replay loads with dummy weights.
-WEIGHT_FILE_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.index.json")
+WEIGHT_FILE_PATTERNS = (
+    "*.safetensors",
+    "pytorch_model*.bin",  # not training_args.bin, which a config-only copy may carry
+    "model*.bin",
+    "*.pt",
+    "*.index.json",
+)
 
 
 def looks_like_path(model: str) -> bool:

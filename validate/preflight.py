@@ -50,7 +50,13 @@ class InstalledVllm:
 
     @property
     def is_checked_version(self) -> bool:
-        return self.version.split("+")[0] == CHECKED_VLLM_VERSION
+        return is_checked_version(self.version)
+
+
+def is_checked_version(version: str) -> bool:
+    """Whether ``version`` (local build tags such as ``+cpu`` aside) is the one kvsim is
+    checked against."""
+    return version.split("+")[0] == CHECKED_VLLM_VERSION
 
 
 def installed_vllm() -> InstalledVllm | None:
@@ -100,7 +106,7 @@ def version_warning(vllm: InstalledVllm | None) -> str | None:
 
 def version_note(version: str | None) -> str:
     """What an engine-failure message adds when the installed vLLM is another version."""
-    if version is None or version.split("+")[0] == CHECKED_VLLM_VERSION:
+    if version is None or is_checked_version(version):
         return ""
     return f" (vLLM {version}, kvsim is checked against {CHECKED_VLLM_VERSION})"
 

@@ -8,6 +8,7 @@ a minute elsewhere (CI logs). A replay takes as long as its scenario, up to hour
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -78,15 +79,19 @@ class ProgressFile:
         self._last_s = -float("inf")
 
     def phase(self, phase: str) -> None:
-        write_progress(self.path, ReplayProgress(phase, limit_s=self.limit_s))
+        self._write(ReplayProgress(phase, limit_s=self.limit_s))
 
     def report(self, now_s: float, arrived: int, finished: int) -> None:
         wall_s = self.clock()
         if wall_s - self._last_s < self.every_s:
             return
         self._last_s = wall_s
-        progress = ReplayProgress(REPLAYING, now_s, self.limit_s, arrived, finished)
-        write_progress(self.path, progress)
+        self._write(ReplayProgress(REPLAYING, now_s, self.limit_s, arrived, finished))
+
+    def _write(self, progress: ReplayProgress) -> None:
+        # Best effort: a full disk or a removed folder costs the display, never the replay.
+        with contextlib.suppress(OSError):
+            write_progress(self.path, progress)
 
 
 def wait_relaying_progress(

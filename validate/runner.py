@@ -49,6 +49,7 @@ def measured_summary(scenario: Scenario, result: ReplayResult) -> dict[str, Any]
         "device": result.device,
         "served_model": result.model,
         "load_format": result.load_format,
+        "device_name": result.device_name,  # vLLM's name of it, e.g. "NVIDIA H100 80GB HBM3"
         # What the scenario says the engine runs on, as a simulation records it (summaries
         # before 2026-12-06 recorded the device here; kvsim calibrate reads their scenario's).
         "hardware": scenario.hardware.name,
@@ -256,7 +257,11 @@ def build_report(
     profile, pricing = simulation_pricing(scenario, calibration)
     params = profile.params_for(scenario.engine.max_num_batched_tokens) if profile else CostParams()
     coverage = None
-    warnings: list[str | None] = [*unfinished_warnings(sim, reals), *kv_pool_warnings(sim, reals)]
+    warnings: list[str | None] = [
+        *unfinished_warnings(sim, reals),
+        *kv_pool_warnings(sim, reals),
+        *device_warnings(sim, reals),
+    ]
     if profile is not None:
         warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
         coverage = profile.coverage(
@@ -312,6 +317,28 @@ def kv_pool_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:
         f"engine.num_gpu_blocks_override={count} (e.g. --set "
         f"engine.num_gpu_blocks_override={count})"
         for count, paths in sorted(by_count.items())
+    ]
+
+
+def device_warnings(sim: RunData, reals: Sequence[RunData]) -> list[str]:
+    """Why step times may not compare: a replay ran on a GPU the scenario's hardware preset
+    does not name (its family, e.g. H100, is not in vLLM's name of the device), so the
+    simulation priced another GPU than the one measured."""
+    hardware = str(sim.summary.get("hardware", ""))
+    family = hardware.split("-", 1)[0].lower()
+    odd = sorted(
+        {
+            name
+            for real in reals
+            if (name := str(real.summary.get("device_name") or "")) not in ("", "cpu")
+            and family not in name.lower()
+        }
+    )
+    return [
+        f"the replays ran on {name}, but the scenario's hardware is {hardware}: the "
+        "simulation prices that hardware, not the GPU measured; set hardware to the GPU's "
+        "preset (--set hardware=NAME) or calibrate on this GPU"
+        for name in odd
     ]
 
 

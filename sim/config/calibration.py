@@ -187,15 +187,23 @@ class CalibrationProfile(BaseModel):
 
 
 # What profiles fitted by kvsim calibrate before 2026-12-06 record as their hardware: the
-# replay's device, not a hardware name. Such a profile's hardware is unknown.
+# replay's device, not a hardware name. Only the kind of device is known: such a profile
+# matches hardware of that kind (a CPU preset, named cpu-..., or any GPU).
 DEVICE_HARDWARE_NAMES = frozenset({"cpu", "cuda"})
+
+
+def _fitted_on(profile_hardware: str, hardware_name: str) -> bool:
+    if profile_hardware in DEVICE_HARDWARE_NAMES:
+        on_cpu = hardware_name.lower().startswith("cpu")
+        return on_cpu == (profile_hardware == "cpu")
+    return profile_hardware == hardware_name
 
 
 def hardware_warning(profile: CalibrationProfile, hardware_name: str) -> str | None:
     """Why step times may be off when ``profile`` prices a run on ``hardware_name``, or None
-    when the profile was fitted on hardware of that name, or on hardware it does not name
-    (:data:`DEVICE_HARDWARE_NAMES`: nothing to compare)."""
-    if profile.hardware == hardware_name or profile.hardware in DEVICE_HARDWARE_NAMES:
+    when the profile was fitted on hardware of that name (for a profile that names only a
+    device, :data:`DEVICE_HARDWARE_NAMES`: hardware of that kind)."""
+    if _fitted_on(profile.hardware, hardware_name):
         return None
     return (
         f"the calibration profile was fitted on {profile.hardware}, not {hardware_name}: its "

@@ -218,3 +218,29 @@ def kv_cache_summary(sizing: KVSizing) -> str:
         f"{sizing.num_usable_blocks:,} blocks x {sizing.block_size} tokens = "
         f"{sizing.max_tokens_in_kv:,} tokens ({_gib(usable_bytes)})"
     )
+
+
+# -- host memory of the what-if CPU tiers (swap space, offload store) -----------------------
+PAGE_SIZE = 4096  # an offload chunk is rounded up to whole pages (vLLM's mmap.PAGESIZE)
+
+
+def num_cpu_blocks(swap_space_gib: float, bytes_per_block: int) -> int:
+    """CPU blocks in ``swap_space_gib`` GiB (V0: ``int(swap_space_bytes // block_bytes)``);
+    ``bytes_per_block`` is one GPU's share of a block (under TP each GPU swaps its shard)."""
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block={bytes_per_block} must be > 0")
+    return int(swap_space_gib * GIB // bytes_per_block)
+
+
+def offload_chunk_bytes(bytes_per_block: int, tensor_parallel: int) -> int:
+    """Host bytes one block takes in the offload store: every GPU's shard, in whole pages."""
+    return -(-bytes_per_block * tensor_parallel // PAGE_SIZE) * PAGE_SIZE
+
+
+def num_offload_blocks(kv_offload_gib: float, bytes_per_block: int, tensor_parallel: int) -> int:
+    """Blocks the CPU store holds in ``kv_offload_gib`` GiB of host memory for the whole
+    engine (vLLM's ``--kv-offloading-size``: every GPU's shard of a block is stored, each
+    chunk rounded up to whole pages); ``bytes_per_block`` is one GPU's share of a block."""
+    if bytes_per_block <= 0:
+        raise ValueError(f"bytes_per_block={bytes_per_block} must be > 0")
+    return int(kv_offload_gib * GIB) // offload_chunk_bytes(bytes_per_block, tensor_parallel)

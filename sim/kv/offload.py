@@ -58,21 +58,6 @@ import pandas as pd
 from sim.metrics import returning_turns
 from sim.request import Request
 
-GIB = 1 << 30
-
-
-PAGE_SIZE = 4096  # a CPU chunk is rounded up to whole pages (vLLM's mmap.PAGESIZE)
-
-
-def num_offload_blocks(kv_offload_gib: float, bytes_per_block: int, tensor_parallel: int) -> int:
-    """Blocks the CPU store holds in ``kv_offload_gib`` GiB of host memory for the whole
-    engine (vLLM's ``--kv-offloading-size``: every GPU's shard of a block is stored, each
-    chunk rounded up to whole pages); ``bytes_per_block`` is one GPU's share of a block."""
-    if bytes_per_block <= 0:
-        raise ValueError(f"bytes_per_block={bytes_per_block} must be > 0")
-    chunk_bytes = -(-bytes_per_block * tensor_parallel // PAGE_SIZE) * PAGE_SIZE
-    return int(kv_offload_gib * GIB) // chunk_bytes
-
 
 class _Entry:
     """One stored block: its CPU slot, how many loads hold it, whether its copy is done."""

@@ -35,16 +35,6 @@ from dataclasses import dataclass, field
 from sim.kv.kv_cache_manager import KVCacheManager
 from sim.request import Request
 
-GIB = 1 << 30
-
-
-def num_cpu_blocks(swap_space_gib: float, bytes_per_block: int) -> int:
-    """CPU blocks in ``swap_space_gib`` GiB (V0: ``int(swap_space_bytes // block_bytes)``);
-    ``bytes_per_block`` is one GPU's share of a block (under TP each GPU swaps its shard)."""
-    if bytes_per_block <= 0:
-        raise ValueError(f"bytes_per_block={bytes_per_block} must be > 0")
-    return int(swap_space_gib * GIB // bytes_per_block)
-
 
 class CpuBlockPool:
     """Fixed-size pool of CPU KV blocks; ids are handed out lowest first, freed ids reused

@@ -38,10 +38,11 @@ the batch each step without its request being touched until it must be scheduled
 from __future__ import annotations
 
 from sim.config.engine import EngineConfig
+from sim.config.sizing import num_cpu_blocks, num_offload_blocks
 from sim.kv.allocators import make_kv_manager
 from sim.kv.kv_cache_manager import KVCacheManager
-from sim.kv.offload import Offloader, num_offload_blocks
-from sim.kv.swap import Swapper, num_cpu_blocks
+from sim.kv.offload import Offloader
+from sim.kv.swap import Swapper
 from sim.request import Request, RequestStatus
 from sim.scheduler.lazy_decodes import LazyDecodes
 from sim.scheduler.output import BatchShape, SchedulerOutput, StepUpdate

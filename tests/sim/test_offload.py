@@ -17,8 +17,10 @@ import pydantic
 import pytest
 
 from sim.config.engine import EngineConfig
+from sim.config.hardware import GIB
+from sim.config.sizing import num_offload_blocks
 from sim.errors import KvsimConfigError
-from sim.kv.offload import GIB, CpuOffloadStore, Offloader, num_offload_blocks
+from sim.kv.offload import CpuOffloadStore, Offloader
 from sim.recorder import STEP_COLUMNS
 from sim.request import RequestStatus
 from sim.runner import simulate

@@ -19,13 +19,14 @@ import pytest
 import simpy
 
 from sim.config.engine import EngineConfig
-from sim.config.hardware import HARDWARE_PRESETS
+from sim.config.hardware import GIB, HARDWARE_PRESETS
 from sim.config.limits import MAX_BANDWIDTH_BYTES_PER_S
 from sim.config.model import resolve_model
+from sim.config.sizing import num_cpu_blocks
 from sim.cost_model import CostModel, CostParams
 from sim.engine import Engine
 from sim.errors import KvsimConfigError
-from sim.kv.swap import GIB, CpuBlockPool, num_cpu_blocks
+from sim.kv.swap import CpuBlockPool
 from sim.recorder import STEP_COLUMNS, Recorder
 from sim.request import RequestStatus
 from sim.runner import simulate

@@ -412,6 +412,7 @@ def test_a_run_without_steps_is_refused_naming_it_and_an_incomplete_one_is_named
         ("served_model", "/models/llama-8b", "/models/qwen-7b"),
         ("hardware", "H100-SXM-80GB", "A100-80GB"),
         ("device", "cpu", "cuda"),
+        ("device_name", "NVIDIA H100 80GB HBM3", "NVIDIA H200"),
     ],
 )
 def test_runs_that_mix_what_a_profile_describes_are_refused_naming_both(
@@ -435,11 +436,15 @@ def test_runs_recorded_with_the_device_as_hardware_take_their_scenarios_hardware
     assert calibrate([gpu]).hardware == "H100"
 
 
-def test_a_profile_naming_a_device_as_its_hardware_warns_of_no_other_hardware(
+def test_a_profile_naming_a_device_as_its_hardware_warns_only_of_another_kind(
     tmp_path: Path,
 ) -> None:
     for device, hardware in (("cpu", "cpu-validation"), ("cuda", "H100-SXM-80GB")):
         assert hardware_warning(profile_with(TRUTH, hardware=device), hardware) is None
+    # The kind of device is known: a CPU fit pricing a GPU (or the reverse) still warns.
+    for device, hardware in (("cpu", "H100-SXM-80GB"), ("cuda", "cpu-validation")):
+        warning = hardware_warning(profile_with(TRUTH, hardware=device), hardware)
+        assert warning is not None and f"fitted on {device}, not {hardware}" in warning
     a100 = profile_with(TRUTH, hardware="A100-80GB")
     assert hardware_warning(a100, "H100-SXM-80GB") == (
         "the calibration profile was fitted on A100-80GB, not H100-SXM-80GB: its fitted costs "

@@ -115,12 +115,15 @@ def test_the_cpu_build_refuses_cuda_and_the_gpu_build_refuses_cpu(
 
 
 def test_the_replay_process_refuses_a_device_vllm_does_not_run_on() -> None:
-    # This environment's torch is CPU-only: cuda is refused before the engine starts.
+    # No CUDA GPU visible to torch: cuda is refused before the engine starts.
     with pytest.raises(RuntimeError, match=r"torch\.cuda\.is_available\(\) is False"):
-        check_vllm_device("cuda", "cuda")
+        check_vllm_device("cuda", "cuda", has_cuda=lambda: False)
     with pytest.raises(RuntimeError, match="--device cpu: this vLLM runs on cuda"):
         check_vllm_device("cpu", "cuda")
+    with pytest.raises(RuntimeError, match="--device cuda: this vLLM runs on cpu"):
+        check_vllm_device("cuda", "cpu", has_cuda=lambda: True)
     check_vllm_device("cpu", "cpu")
+    check_vllm_device("cuda", "cuda", has_cuda=lambda: True)
 
 
 def test_another_vllm_version_warns_at_the_start_and_in_failure_messages(

@@ -170,6 +170,7 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
         sim.sizing.num_gpu_blocks,
         "float32",
         load_format="dummy",
+        device_name="cpu",
     )
     measured = measured_summary(spec, result)
     provenance = {
@@ -179,6 +180,7 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
         "device": "cpu",
         "served_model": "tiny",
         "load_format": "dummy",
+        "device_name": "cpu",  # vLLM's name of the device ("NVIDIA H100 80GB HBM3" on a GPU)
         # The scenario's hardware, as a simulation of it names it; the device is the device.
         "hardware": "cpu-validation",
         "allocator": "tcmalloc",
@@ -236,6 +238,9 @@ def test_report_json_is_strict_json_when_vllm_counted_no_preemptions(tmp_path: P
     assert written["step_time_vs_sim"] == [None, 0.97]
 
 
+SMALL_H100 = ["workload.sessions=2", "workload.turns.value=2"]
+
+
 def test_the_report_warns_when_vllm_sized_another_kv_cache_than_kvsim(tmp_path: Path) -> None:
     spec = load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")
     sim = run_sim(spec, None, tmp_path / "sim")
@@ -257,6 +262,25 @@ def test_the_report_warns_when_vllm_sized_another_kv_cache_than_kvsim(tmp_path: 
         "and prefix-cache hits under KV pressure are not comparable; pin both with "
         f"engine.num_gpu_blocks_override={larger} (e.g. --set "
         f"engine.num_gpu_blocks_override={larger})"
+    ]
+
+
+def test_the_report_warns_when_the_replay_ran_on_another_gpu_than_the_scenario_names(
+    tmp_path: Path,
+) -> None:
+    spec = load_scenario(SCENARIO_DIR / "coding-agents-8b-h100.yaml", SMALL_H100)
+    sim = run_sim(spec, None, tmp_path / "sim")
+    real = fake_replay(spec, tmp_path / "real")
+
+    def on(name: str) -> RunData:
+        return replace(real, summary={**real.summary, "device_name": name})
+
+    for same in ("NVIDIA H100 80GB HBM3", "cpu", ""):  # the preset's GPU, or no GPU name
+        assert build_report(spec, sim, [on(same)], None).warnings == []
+    assert build_report(spec, sim, [on("NVIDIA H200")], None).warnings == [
+        "the replays ran on NVIDIA H200, but the scenario's hardware is H100-SXM-80GB: the "
+        "simulation prices that hardware, not the GPU measured; set hardware to the GPU's "
+        "preset (--set hardware=NAME) or calibrate on this GPU"
     ]
 
 
