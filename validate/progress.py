@@ -126,12 +126,10 @@ class ProgressDisplay:
         every_s: float = LINE_EVERY_S,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.console, self.description, self.every_s, self.clock = (
-            console,
-            description,
-            every_s,
-            clock,
-        )
+        self.console = console
+        self.description = description
+        self.every_s = every_s
+        self.clock = clock
         self._bar: Progress | None = None
         self._task: TaskID | None = None
         self._started_s = clock()

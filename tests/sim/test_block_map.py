@@ -91,8 +91,11 @@ class CheckedCpuMap(BlockMapRecorder):
     ) -> None:
         taken = len(self.states)
         super().maybe_snapshot(step, now_s, scheduler, class_of)
-        if len(self.states) == taken:
-            return
+        if len(self.states) > taken:
+            self.check(scheduler, class_of)
+
+    def check(self, scheduler: Scheduler, class_of: Callable[[str], str]) -> None:
+        """The snapshot just taken, against the CPU pool now."""
         assert len(self.cpu_states) == len(self.states)
         expected, held = self.expected(scheduler, class_of)
         np.testing.assert_array_equal(self.cpu_states[-1], expected)
@@ -148,13 +151,8 @@ class CheckedOffloadMap(CheckedCpuMap):
     instances: ClassVar[list[CheckedCpuMap]] = []
     with_loading = 0  # snapshots with a request waiting for its load
 
-    def maybe_snapshot(
-        self, step: int, now_s: float, scheduler: Scheduler, class_of: Callable[[str], str]
-    ) -> None:
-        taken = len(self.states)
-        super().maybe_snapshot(step, now_s, scheduler, class_of)
-        if len(self.states) == taken:
-            return
+    def check(self, scheduler: Scheduler, class_of: Callable[[str], str]) -> None:
+        super().check(scheduler, class_of)
         # A request waiting for its load holds its HBM blocks (the copy's destination):
         # owned, in its class (unless a running request shares them), never free.
         tables = scheduler.kv_cache_manager.req_to_blocks

