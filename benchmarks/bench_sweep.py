@@ -32,9 +32,10 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from sim.cores import default_workers
 from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
-from sim.sweep import default_workers, plan_sweep, run_sweep
+from sim.sweep import plan_sweep, run_sweep
 from sim.tune import tune
 
 SCENARIO = SCENARIO_DIR / "coding-agents-8b-h100.yaml"

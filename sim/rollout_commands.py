@@ -170,10 +170,10 @@ def sweep(
     quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
 ) -> None:
     """Run a scenario over a grid of overrides in parallel; resumable; one results table."""
+    from sim.cores import default_workers
     from sim.sweep import (
         RESULTS_FILE,
         check_runner,
-        default_workers,
         plan_sweep,
         run_sweep,
         unfinished_points,

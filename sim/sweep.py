@@ -483,11 +483,3 @@ def write_results(plan: SweepPlan) -> pd.DataFrame:
     table.to_parquet(tmp, index=False)
     os.replace(tmp, path)
     return table
-
-
-def default_workers() -> int:
-    """Every core this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1

@@ -34,12 +34,12 @@ from typing import Any
 import numpy as np
 
 from sim.config.calibration import CalibrationProfile
+from sim.cores import default_workers
 from sim.errors import KvsimConfigError
 from sim.interrupts import result_of, sigint_deferred
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
 from sim.step_jitter import JitterSpec
-from sim.sweep import default_workers
 
 # The band, in the run directory of kvsim run --samples.
 SAMPLES = "samples.json"

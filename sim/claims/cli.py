@@ -36,8 +36,8 @@ def claims(
     """
     from sim.claims.render import check_png_export, write_report
     from sim.claims.study import Task, run_study
+    from sim.cores import default_workers
     from sim.scenario import SCENARIO_DIR
-    from sim.sweep import default_workers
 
     source = scenario or SCENARIO_DIR / "claims" / "agents-8b-h100.yaml"
     try:

