@@ -6,10 +6,8 @@ from typing import Any
 
 import pandas as pd
 
-from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+from sim.metrics import KV_USAGE, LATENCIES, PREEMPTIONS
 from validate.compare import ComparisonRow
-
-LATENCIES = (("TTFT", TTFT), ("ITL", ITL), ("E2E", E2E), ("queue", QUEUE))
 
 
 def _ms(value: float | None) -> float | None:
@@ -35,7 +33,7 @@ def headline(summary: dict[str, Any]) -> str:
 
 
 def latency_frame(summary: dict[str, Any]) -> pd.DataFrame:
-    """p50/p90/p99/mean (ms) and sample count of TTFT, ITL, E2E and queue time."""
+    """p50/p90/p99/mean (ms) and sample count of TTFT, ITL, TPOT, E2E and queue time."""
     m = summary.get("metrics", {})
     rows = []
     for name, key in LATENCIES:
@@ -74,7 +72,7 @@ def engine_frame(summary: dict[str, Any]) -> pd.DataFrame:
         ("output throughput", f"{_num(m.get('output_throughput_tok_s'))} tok/s"),
         ("request throughput", f"{_num(m.get('request_throughput_req_s'), '.2f')} req/s"),
         (
-            "goodput (requests meeting every SLO)",
+            "goodput (finished within every SLO)",
             f"{_num(m.get('goodput_req_s'), '.2f')} req/s "
             f"({_pct(m.get('slo_attainment'))} of its requests)",
         ),

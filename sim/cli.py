@@ -167,6 +167,11 @@ def run(
             release_claim(out_dir)
         where = f"--out {out_dir}: cannot write the run" if out_dir else "cannot read an input"
         raise fail(f"{where} ({exc})") from None
+    except KeyboardInterrupt:
+        if out_dir is not None:
+            release_claim(out_dir)
+        note("interrupted: nothing written", "red")
+        raise typer.Exit(130) from None
     except BaseException:
         if out_dir is not None:
             release_claim(out_dir)
@@ -203,12 +208,25 @@ def run(
 
 @app.command()
 def scenarios() -> None:
-    """List the shipped scenarios and the question each answers."""
+    """List the shipped scenarios, the folder they are in and the question each answers."""
     from sim.scenario import SCENARIO_DIR, load_scenario
 
     # The scenarios of the README's table: one engine, then fleets (calibration, validation,
     # claims and benchmark scenarios live in their own folders and serve those commands).
-    for path in [*sorted(SCENARIO_DIR.glob("*.yaml")), *sorted(SCENARIO_DIR.glob("fleet/*.yaml"))]:
+    paths = [*sorted(SCENARIO_DIR.glob("*.yaml")), *sorted(SCENARIO_DIR.glob("fleet/*.yaml"))]
+    if not paths:
+        # An install that left scenarios/ out (it ships beside sim/ in the wheel).
+        raise fail(
+            f"no shipped scenarios in {SCENARIO_DIR} (no *.yaml there or in its fleet/ folder): "
+            "this kvsim was installed without its scenarios/ folder, which a wheel of kvsim "
+            "ships beside sim/; reinstall it (in a checkout: pip install -e .), or pass a "
+            "scenario YAML of your own to kvsim run"
+        )
+    # Where they are: an installed kvsim's are in site-packages, not ./scenarios.
+    console.print(
+        f"the shipped scenarios, in {SCENARIO_DIR}:", markup=False, highlight=False, soft_wrap=True
+    )
+    for path in paths:
         name = path.relative_to(SCENARIO_DIR).as_posix()
         try:
             spec = load_scenario(path)

@@ -1,13 +1,17 @@
 """Metrics: pure functions from a run's request and step tables to its summary.
 
 Names follow vLLM's Prometheus metrics (``vllm:time_to_first_token_seconds`` ...) so one
-dashboard reads simulated and measured runs alike. Latency stats are p50/p90/p99/mean;
-KV usage is time-weighted over steps (a long step counts for its duration).
+dashboard reads simulated and measured runs alike. Latency stats are p50/p90/p99/mean
+(numpy's linear interpolation, as ``vllm bench serve``); the mean of KV usage and of running
+requests is time-weighted over steps (a long step counts for its duration), the p95 of KV
+usage is over steps (one sample each). Throughputs and goodput are per second of the run's
+``duration_s`` (from 0 to the end of its last step, or its time limit).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from typing import Any
 
 import numpy as np
@@ -17,12 +21,16 @@ TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
 E2E = "vllm:e2e_request_latency_seconds"
 QUEUE = "vllm:request_queue_time_seconds"
+TPOT = "vllm:request_time_per_output_token_seconds"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions"
 PREFIX_HITS = "vllm:prefix_cache_hits"
 PREFIX_QUERIES = "vllm:prefix_cache_queries"
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
+
+# The latency rows of the console and dashboard tables: (label, key in summary["metrics"]).
+LATENCIES = (("TTFT", TTFT), ("ITL", ITL), ("TPOT", TPOT), ("E2E", E2E), ("queue", QUEUE))
 
 
 def _clean(x: float) -> float | None:
@@ -96,13 +104,20 @@ def kv_waste(steps: pd.DataFrame, num_usable_blocks: int, block_size: int) -> di
     }
 
 
-def peak_concurrent_sessions(requests: pd.DataFrame, end_s: float) -> int:
-    """Most agent sessions alive at once (first arrival to last finish of each session)."""
+def peak_concurrent_sessions(
+    requests: pd.DataFrame, end_s: float, open_sessions: Collection[int] = ()
+) -> int:
+    """Most agent sessions alive at once: each from its first arrival to its last finish,
+    or to ``end_s`` for the ``open_sessions`` a run cut at its time limit left mid-turn or
+    in a tool wait."""
     sessions = requests[requests["session_id"] >= 0]
     if sessions.empty:
         return 0
     spans = sessions.groupby("session_id").agg(start=("arrival_s", "min"), end=("finish_s", "max"))
-    ends = spans["end"].fillna(end_s).to_numpy()
+    ends = spans["end"].fillna(end_s)
+    if open_sessions:
+        ends[ends.index.isin(list(open_sessions))] = end_s
+    ends = ends.to_numpy()
     events = np.concatenate(
         [
             np.stack([spans["start"].to_numpy(), np.ones(len(spans))], 1),
@@ -234,14 +249,20 @@ def summarize(
     num_usable_blocks: int,
     block_size: int,
     slos: dict[str, float | None],
+    open_sessions: Collection[int] = (),
 ) -> dict[str, Any]:
-    """The ``metrics`` and ``slos`` sections of summary.json."""
+    """The ``metrics`` and ``slos`` sections of summary.json. ``open_sessions``: the agent
+    sessions still alive when a cut run stopped (:class:`sim.workload.base.WorkloadRun`)."""
     finished = requests[requests["finish_s"].notna()]
+    # As vLLM's Prometheus histograms observe them: TTFT at each first token, ITL at each
+    # later one; E2E, queue time and TPOT once a request finishes (TPOT is its mean ITL, 0
+    # for a single output token), so a run cut at its limit leaves the unfinished out.
     latency = {
         TTFT: latency_stats(requests["ttft_s"]),
         ITL: latency_stats(itl_samples(requests)),
+        TPOT: latency_stats(finished["mean_itl_s"].fillna(0.0)),
         E2E: latency_stats(finished["e2e_s"]),
-        QUEUE: latency_stats(requests["queue_s"]),
+        QUEUE: latency_stats(finished["queue_s"]),
     }
     span_s = duration_s if duration_s > 0 else math.nan
     output_tokens = int(requests["output_tokens"].sum())
@@ -273,7 +294,7 @@ def summarize(
         "goodput_req_s": _clean(int(good.sum()) / span_s),
         "slo_attainment": _clean(float(good.mean())) if len(requests) else None,
         "kv_waste": kv_waste(steps, num_usable_blocks, block_size),
-        "peak_concurrent_sessions": peak_concurrent_sessions(requests, duration_s),
+        "peak_concurrent_sessions": peak_concurrent_sessions(requests, duration_s, open_sessions),
         "by_priority_class": by_priority_class(requests),
         "num_steps": len(steps),
     }

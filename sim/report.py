@@ -10,7 +10,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from sim.fleet.config import fleet_what_if
-from sim.metrics import E2E, ITL, KV_USAGE, PREEMPTIONS, QUEUE, TTFT
+from sim.metrics import KV_USAGE, LATENCIES, PREEMPTIONS
 
 if TYPE_CHECKING:
     from sim.uncertainty import BandRow
@@ -30,14 +30,18 @@ def _num(value: float | None, fmt: str = ",.1f") -> str:
 
 def truncation_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
     """What a run cut at ``limits.max_duration_s`` leaves out of its figures, or None for a
-    run that drained its workload: its E2E latencies and throughput count the finished
-    requests only, its TTFT and ITL the tokens produced by then, and what is left out is
-    the slowest part."""
+    run that drained its workload: its E2E, TPOT and queue times, request throughput and
+    goodput count the finished requests only, its TTFT, ITL and output throughput the
+    tokens produced by then, its SLO attainment the unfinished as misses; what is left out
+    is the slowest part."""
     if not summary.get("truncated_at_limit"):
         return None
     unfinished, total = summary["num_unfinished"], summary["num_requests"]
     not_arrived = summary.get("num_not_arrived", 0)
     later = f" and {not_arrived:,} more not yet arrived" if not_arrived else ""
+    sessions = summary.get("sessions") or {}
+    if (not_started := sessions.get("planned", 0) - sessions.get("started", 0)) > 0:
+        later += f" ({not_started:,} of its {sessions['planned']:,} sessions not yet started)"
     left_out = (
         f" with {unfinished:,} of its {total:,} requests unfinished{later}: its latencies, "
         "throughput and SLO verdicts leave out what those had still to do (their ends, any "
@@ -74,10 +78,31 @@ def too_long_line(summary: dict[str, Any], subject: str = "the run") -> str | No
     return None
 
 
+def context_cap_line(summary: dict[str, Any], subject: str = "the run") -> str | None:
+    """Agent sessions that ended before their last turn because their context outgrew
+    max_model_len (or the workload's max_context_tokens), or None: the turns they did not
+    send, the longest contexts, are not in the run's figures."""
+    sessions = summary.get("sessions") or {}
+    if not (cut := sessions.get("cut_by_context")):
+        return None
+    cap = sessions.get("context_cap_tokens")
+    return (
+        f"{subject}: {cut:,} of its {sessions['started']:,} agent sessions ended before their "
+        f"last turn, the next one past the context cap of {cap:,} tokens (engine.max_model_len "
+        f"or workload.max_context_tokens), {sessions['turns_not_sent']:,} turns not sent: its "
+        "figures leave out those longest contexts"
+    )
+
+
 def partial_lines(summary: dict[str, Any], subject: str = "the run") -> list[str]:
     """Every reason a run's figures are not the whole workload's, one line each: a failed or
-    cut run (:func:`partial_run_line`), a workload changed to fit (:func:`too_long_line`)."""
-    lines = (partial_run_line(summary, subject), too_long_line(summary, subject))
+    cut run (:func:`partial_run_line`), a workload changed to fit (:func:`too_long_line`,
+    :func:`context_cap_line`)."""
+    lines = (
+        partial_run_line(summary, subject),
+        too_long_line(summary, subject),
+        context_cap_line(summary, subject),
+    )
     return [line for line in lines if line]
 
 
@@ -122,7 +147,7 @@ def partial_run_line(summary: dict[str, Any], subject: str = "the run") -> str |
 
 
 def latency_table(summary: dict[str, Any]) -> Table:
-    """p50/p90/p99/mean of TTFT, ITL, E2E and queue time."""
+    """p50/p90/p99/mean of TTFT, ITL, TPOT, E2E and queue time."""
     m = summary["metrics"]
     title = (
         f"{summary['scenario']}: {summary['model']} on {summary['hardware']} "
@@ -132,8 +157,10 @@ def latency_table(summary: dict[str, Any]) -> Table:
     table = Table(title=escape(title), title_justify="left")  # "[sim]" is text, not markup
     for col in ("latency", "p50", "p90", "p99", "mean"):
         table.add_column(col, justify="left" if col == "latency" else "right")
-    for name, key in (("TTFT", TTFT), ("ITL", ITL), ("E2E", E2E), ("queue", QUEUE)):
-        s = m[key]
+    for name, key in LATENCIES:
+        s = m.get(key)
+        if s is None:  # a run directory written before kvsim reported TPOT
+            continue
         table.add_row(name, _ms(s["p50"]), _ms(s["p90"]), _ms(s["p99"]), _ms(s["mean"]))
     return table
 
@@ -162,7 +189,7 @@ def capacity_table(summary: dict[str, Any]) -> Table:
         ("output throughput", f"{_num(m['output_throughput_tok_s'])} tok/s"),
         ("request throughput", f"{_num(m['request_throughput_req_s'], '.2f')} req/s"),
         (
-            "goodput (requests meeting every SLO)",
+            "goodput (finished within every SLO)",
             f"{_num(m['goodput_req_s'], '.2f')} req/s "
             f"({_pct(m['slo_attainment'])} of its requests)",
         ),

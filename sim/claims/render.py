@@ -371,8 +371,8 @@ def write_png(figure: go.Figure, path: Path) -> None:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KvsimConfigError(
             f"cannot write the report's PNG plots ({reason}): they need kaleido, the report "
-            "extra of kvsim (pip install kaleido), and a Chromium for it to drive (Debian: "
-            "apt install chromium)"
+            "extra of kvsim (pip install 'kvsim[report]'), and a Chromium for it to drive "
+            "(Debian: apt install chromium)"
         ) from None
 
 

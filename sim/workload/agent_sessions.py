@@ -19,6 +19,7 @@ from sim.config.limits import (
     MAX_FANOUT_WIDTH,
     MAX_SESSIONS,
     MAX_TOKENS,
+    MAX_TURNS,
     MAX_VOCAB_SIZE,
     KvsimModel,
 )
@@ -35,6 +36,7 @@ from sim.workload.distributions import (
     PoissonArrivals,
     PriorityClass,
     PriorityClasses,
+    UniformLength,
     sample_priority_classes,
 )
 from sim.workload.tokens import DEFAULT_VOCAB_SIZE, MIN_TOKEN_ID, Context, TokenSource
@@ -112,6 +114,26 @@ class AgentSessionsWorkload(KvsimModel):
     )
 
     @model_validator(mode="after")
+    def _check_turns(self) -> AgentSessionsWorkload:
+        """At most MAX_TURNS turns a session (a lognormal's draws beyond it are cut to it)."""
+        turns = self.turns
+        highest = (
+            turns.value
+            if isinstance(turns, FixedLength)
+            else turns.high
+            if isinstance(turns, UniformLength)
+            else max(turns.min, turns.max or 0)
+            if isinstance(turns, LogNormalLength)
+            else max(turns.values or [0])
+        )
+        if highest > MAX_TURNS:
+            raise ValueError(
+                f"turns: a session of up to {highest:,} turns is beyond kvsim's limit of "
+                f"{MAX_TURNS:,} turns per session"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _check_context_cap(self) -> AgentSessionsWorkload:
         shared = self.system_prompt_tokens + self.tool_schema_tokens
         if self.max_context_tokens is not None and shared >= self.max_context_tokens:
@@ -138,13 +160,20 @@ class AgentSessionsWorkload(KvsimModel):
         # same seed see the same sessions.
         prefix_rng, plan_rng, *session_rngs = rng.spawn(2 + self.sessions)
         start_times_s = self.session_arrival.arrival_times(plan_rng, self.sessions)
-        num_turns = self.turns.sample(plan_rng, self.sessions)
+        num_turns = np.minimum(self.turns.sample(plan_rng, self.sessions), MAX_TURNS)
         class_ids = sample_priority_classes(plan_rng, self.priority_classes, self.sessions)
         shared = TokenSource(prefix_rng, self.vocab_size).take(
             self.system_prompt_tokens + self.tool_schema_tokens
         )
         # Hashed once; every session forks it, so the shared prefix is identical token for token.
         prefix = Context(sink.block_size, shared)
+        # Turn counts are only known once drawn (sessions cut short by max_context_tokens
+        # submit fewer); a fan-out's sub-calls are not counted in advance.
+        run = WorkloadRun(
+            None if self.fanout is not None else int(num_turns.sum()),
+            sessions_planned=self.sessions,
+            context_cap_tokens=self._context_cap(sink),
+        )
         for session_id in range(self.sessions):
             sink.env.process(
                 self._session(
@@ -155,11 +184,17 @@ class AgentSessionsWorkload(KvsimModel):
                     self.priority_classes[int(class_ids[session_id])],
                     prefix,
                     session_rngs[session_id],
+                    run,
                 )
             )
-        # Turn counts are only known once drawn (sessions cut short by max_context_tokens
-        # submit fewer); a fan-out's sub-calls are not counted in advance.
-        return WorkloadRun(None if self.fanout is not None else int(num_turns.sum()))
+        return run
+
+    def _context_cap(self, sink: RequestSink) -> int:
+        """The most tokens a turn's prompt and output may hold: a session whose next turn
+        would pass it ends."""
+        if self.max_context_tokens is None:
+            return sink.max_model_len
+        return min(sink.max_model_len, self.max_context_tokens)
 
     def _session(
         self,
@@ -170,16 +205,17 @@ class AgentSessionsWorkload(KvsimModel):
         cls: PriorityClass,
         prefix: Context,
         rng: np.random.Generator,
+        run: WorkloadRun,
     ) -> Generator[Any, Any, None]:
         env = sink.env
         tokens = TokenSource(rng, self.vocab_size)
-        cap = sink.max_model_len
-        if self.max_context_tokens is not None:
-            cap = min(cap, self.max_context_tokens)
+        cap = self._context_cap(sink)
         if start_s > env.now:
             yield env.timeout(start_s - env.now)
         # Forked once the session starts: a session not started yet holds no copy.
         context = prefix.copy()
+        run.sessions_started += 1
+        run.open_sessions.add(session_id)
         for turn in range(num_turns):
             piece_dist = self.user_message_tokens if turn == 0 else self.tool_result_tokens
             piece = tokens.take(piece_dist.sample_one(rng))
@@ -193,7 +229,10 @@ class AgentSessionsWorkload(KvsimModel):
                 outputs = [tokens.take(self.output_tokens.sample_one(rng))]
             longest = max(len(task) + len(out) for task, out in zip(tasks, outputs, strict=True))
             if len(context) + len(piece) + longest > cap:
-                return  # the context no longer fits: the session ends, as an agent's would
+                # The context no longer fits: the session ends, as an agent's would.
+                run.sessions_cut_by_context += 1
+                run.turns_not_sent += num_turns - turn
+                break
             context.append(piece)
             done = []
             returns = turn + 1 < num_turns
@@ -248,3 +287,4 @@ class AgentSessionsWorkload(KvsimModel):
             del done, request, tasks, outputs
             if turn + 1 < num_turns:
                 yield env.timeout(float(self.tool_latency.sample(rng, 1)[0]))
+        run.open_sessions.discard(session_id)

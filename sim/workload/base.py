@@ -9,7 +9,7 @@ last token, which is what a closed-loop agent session waits on before its tool c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -84,6 +84,17 @@ class WorkloadRun:
     requests_clipped: int = 0
     # Trace rows left out as too long for max_model_len (``on_too_long: skip``).
     trace_rows_skipped: int = 0
+    # Agent sessions only (None otherwise): how many the workload plans, how many have
+    # started, and which have started and not ended (a run cut at its time limit leaves some
+    # mid-turn or in a tool wait; they are alive at the cut).
+    sessions_planned: int | None = None
+    sessions_started: int = 0
+    open_sessions: set[int] = field(default_factory=set)
+    # Sessions that ended before their last turn, their context past the cap
+    # (max_model_len or max_context_tokens), and the turns they never sent.
+    sessions_cut_by_context: int = 0
+    turns_not_sent: int = 0
+    context_cap_tokens: int | None = None  # min(max_model_len, max_context_tokens)
 
 
 class Workload(Protocol):

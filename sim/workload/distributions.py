@@ -248,6 +248,17 @@ LengthDist = Annotated[
 ]
 
 
+def shortest(dist: FixedLength | UniformLength | LogNormalLength | EmpiricalLength) -> int:
+    """The least length ``dist`` can draw (an empirical one's file is read)."""
+    if isinstance(dist, FixedLength):
+        return dist.value
+    if isinstance(dist, UniformLength):
+        return dist.low
+    if isinstance(dist, LogNormalLength):
+        return dist.min
+    return int(dist.observed().min())
+
+
 # -- arrivals -----------------------------------------------------------------------------------
 class PoissonArrivals(_Config):
     """Memoryless arrivals: exponential gaps at a constant mean rate."""

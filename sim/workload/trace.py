@@ -10,6 +10,7 @@ prompt past the hashed blocks is unique to the row. Other columns are ignored.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import itertools
 import json
@@ -45,7 +46,8 @@ _MS_PER_S = 1000.0
 
 @dataclass(frozen=True, slots=True)
 class TraceRecord:
-    """One trace row, validated; ``timestamp_s`` is in seconds whatever the file's unit."""
+    """One trace row, validated; ``timestamp_s`` is in seconds whatever the file's unit,
+    after the trace's earliest row (which arrives at t = 0)."""
 
     line: int
     timestamp_s: float
@@ -99,7 +101,26 @@ def load_trace(
         raise KvsimConfigError(f"trace {path}: not valid CSV ({exc})") from None
     if not records:
         raise KvsimConfigError(f"trace {path}: no rows")
-    return records
+    return _from_first_row(records, path)
+
+
+def _from_first_row(records: list[TraceRecord], path: str | Path) -> list[TraceRecord]:
+    """The rows with their times counted from the earliest one: a trace cut from the middle
+    of a recording, or stamped with Unix times, starts at t = 0 like one that starts at 0
+    (a run's throughput is per second since t = 0)."""
+    first = min(records, key=lambda r: r.timestamp_s)
+    last = max(records, key=lambda r: r.timestamp_s)
+    span_s = last.timestamp_s - first.timestamp_s
+    if span_s > MAX_SECONDS:
+        raise KvsimConfigError(
+            f"trace {path}: its rows span {span_s:,.0f} s (line {first.line} to line "
+            f"{last.line}), more than kvsim's limit of {MAX_SECONDS:,.0f} s (a year); "
+            "timestamps in ms need timestamp_unit: ms"
+        )
+    t0 = first.timestamp_s
+    if t0 == 0.0:
+        return records
+    return [dataclasses.replace(r, timestamp_s=r.timestamp_s - t0) for r in records]
 
 
 def check_records(
@@ -176,12 +197,9 @@ def _csv_rows(lines: Iterator[str]) -> Iterator[tuple[int, dict[str, Any]]]:
 
 def _parse_row(row: dict[str, Any], where: str, line: int, scale: float) -> TraceRecord:
     timestamp = _float(_get(row, "timestamp", where), "timestamp", where)
-    timestamp_s = timestamp * scale
-    if timestamp_s > MAX_SECONDS:
-        raise _bad(where, "timestamp", row["timestamp"], f"at most {MAX_SECONDS:,.0f} s")
     return TraceRecord(
         line=line,
-        timestamp_s=timestamp_s,
+        timestamp_s=timestamp * scale,
         input_length=_int(_get(row, "input_length", where), "input_length", where, minimum=1),
         output_length=_int(_get(row, "output_length", where), "output_length", where, minimum=1),
         session_id=_optional_int(row, "session_id", where, minimum=0),

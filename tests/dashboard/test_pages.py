@@ -73,7 +73,7 @@ def test_what_if_run_shows_summary_and_saves(
     assert {"TTFT p99", "ITL p99", "E2E p99", "KV usage peak", "preemptions"} <= set(labels)
     assert any("--set workload.sessions=10" in c for c in texts(at.code))
     latency = at.dataframe[0].value
-    assert list(latency["latency"]) == ["TTFT", "ITL", "E2E", "queue"]
+    assert list(latency["latency"]) == ["TTFT", "ITL", "TPOT", "E2E", "queue"]
     assert (latency["samples"].iloc[0]) == 100  # 10 sessions x 10 turns
     slos = [d.value for d in at.dataframe if "verdict" in d.value.columns]
     assert slos and set(slos[0]["verdict"]) <= {"PASS", "FAIL"}

@@ -348,8 +348,8 @@ def test_preset_max_model_len_beyond_the_model_is_refused(tmp_path: Path) -> Non
             "2 hash_ids describe more than input_length=40 tokens hold (1 blocks",
         ),
         (
-            "timestamp,input_length,output_length\n500,40,4\n900,40,4\n",
-            "after limits.max_duration_s",
+            "timestamp,input_length,output_length\n0,40,4\n40000000,40,4\n",
+            "its rows span 40,000,000 s",
         ),
         ("timestamp,input_length,output_length\n0,4000,400\n", "exceeds engine.max_model_len"),
         ("timestamp,input_length,output_length\ninf,40,4\n", "'timestamp' = 'inf' is not a finite"),
@@ -387,8 +387,9 @@ def test_run_where_no_request_arrives_in_time_is_refused(tmp_path: Path) -> None
 
 def test_a_shared_prefix_longer_than_max_model_len_is_refused_as_such(tmp_path: Path) -> None:
     output = refused(tmp_path, str(tiny(tmp_path)), "--set", "workload.system_prompt_tokens=4090")
-    assert "system_prompt_tokens + tool_schema_tokens = 4122 leaves no room" in output
-    assert "engine.max_model_len=4096" in output
+    assert "system_prompt_tokens + tool_schema_tokens + the shortest user_message_tokens" in output
+    assert "do not fit the context cap of 4,096 (engine.max_model_len=4096" in output
+    assert "every session would end before its first turn" in output
 
 
 @pytest.mark.parametrize(

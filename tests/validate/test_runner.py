@@ -18,6 +18,7 @@ from sim.results import RunData
 from sim.runner import simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.uncertainty import band_rows, run_samples
+from sim.workload.base import WorkloadRun
 from tests.validate.fake_vllm import fake_replay
 from validate.calibrate import calibrate
 from validate.commands import _print_run_status, uncalibrated_line
@@ -171,6 +172,13 @@ def test_measured_and_simulated_summaries_come_from_one_builder(
         "float32",
         load_format="dummy",
         device_name="cpu",
+        # The three sessions ran both turns, as in the simulation.
+        workload_run=WorkloadRun(
+            6,
+            sessions_planned=3,
+            sessions_started=3,
+            context_cap_tokens=sim.summary["sessions"]["context_cap_tokens"],
+        ),
     )
     measured = measured_summary(spec, result)
     provenance = {

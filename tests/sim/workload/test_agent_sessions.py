@@ -171,3 +171,17 @@ def test_expected_num_requests_is_the_sum_of_sampled_turns():
     assert workload.expected_num_requests() is None  # the run's count is the run's, below
     assert sink.workload_run is not None
     assert sink.workload_run.planned_requests == len(sink.submissions)
+
+
+@pytest.mark.parametrize(
+    "turns",
+    [
+        {"kind": "fixed", "value": 100_001},
+        {"kind": "uniform", "low": 1, "high": 200_000},
+        {"kind": "lognormal", "median": 40, "sigma": 1, "max": 150_000},
+        {"kind": "empirical", "values": [3, 100_001]},
+    ],
+)
+def test_turns_beyond_the_limit_are_refused_naming_the_field(turns: dict) -> None:
+    with pytest.raises(ValidationError, match=r"turns: a session of up to .* turns is beyond"):
+        AgentSessionsWorkload(sessions=1, turns=turns)

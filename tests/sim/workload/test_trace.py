@@ -3,6 +3,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
+from sim.errors import KvsimConfigError
 from sim.workload.trace import TraceRecord, TraceWorkload, load_trace
 from tests.sim.workload.fake_sink import run_workload, stream
 
@@ -58,27 +59,30 @@ def test_until_s_replays_a_window_of_the_scaled_trace(tmp_path):
         make_trace(path, until_s=0)
 
 
-def test_an_empty_window_is_refused_before_running(tmp_path):
-    from sim.errors import KvsimConfigError
-    from sim.scenario import check_runnable, parse_scenario
-
-    path = write_jsonl(
-        tmp_path, [dict(row, timestamp=row["timestamp"] + 9000) for row in MOONCAKE_ROWS]
+def test_times_count_from_the_earliest_row(tmp_path):
+    """A window cut from the middle of a recording, or Unix timestamps, replays from t = 0;
+    only the span is bounded (a year), with a hint at the unit."""
+    epoch_ms = 1_733_000_000_000
+    shifted = [dict(row, timestamp=row["timestamp"] + epoch_ms) for row in MOONCAKE_ROWS]
+    path = write_jsonl(tmp_path, shifted)
+    as_recorded = run_workload(make_trace(write_jsonl(tmp_path, MOONCAKE_ROWS, "zero.jsonl")))
+    rebased = run_workload(make_trace(path))
+    assert [s.submit_s for s in rebased.submissions] == [
+        s.submit_s for s in as_recorded.submissions
+    ]
+    assert rebased.submissions[0].submit_s == 0.0
+    assert [r.timestamp_s for r in load_trace(path, timestamp_unit="ms")][:1] == [0.0]
+    in_seconds = tmp_path / "seconds.jsonl"
+    in_seconds.write_text(
+        '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
+        '{"timestamp": 40000000, "input_length": 5, "output_length": 1}\n'
     )
-    raw = {
-        "name": "window",
-        "model": "Llama-3.1-8B",
-        "hardware": "H100-SXM-80GB",
-        "workload": {
-            "kind": "trace",
-            "path": str(path),
-            "timestamp_unit": "ms",
-            "hash_block_tokens": HASH,
-            "until_s": 5,
-        },
-    }
-    with pytest.raises(KvsimConfigError, match=r"workload.until_s=5 is before the first row"):
-        check_runnable(parse_scenario(raw, "window.yaml"))
+    with pytest.raises(
+        KvsimConfigError,
+        match=r"its rows span 40,000,000 s \(line 1 to line 2\), more than kvsim's limit of "
+        r"31,536,000 s \(a year\); timestamps in ms need timestamp_unit: ms",
+    ):
+        load_trace(in_seconds)
 
 
 def test_same_seed_same_stream(tmp_path):
