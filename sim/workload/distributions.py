@@ -199,7 +199,13 @@ def _read_lengths(dist: EmpiricalLength) -> list[int]:
     path = Path(dist.path or "")
     text = read_text(path, "empirical lengths file", MAX_DATA_FILE_BYTES)
     values: list[int] = []
-    if path.suffix.lower() == ".csv":
+    is_csv = path.suffix.lower() == ".csv"
+    if dist.column is not None and not is_csv:
+        raise KvsimConfigError(
+            f"{path}: column={short_repr(dist.column)} is for a .csv file; this one is read as "
+            "one length per line"
+        )
+    if is_csv:
         reader = csv.DictReader(io.StringIO(text, newline=""))
         try:
             fields = reader.fieldnames or []
@@ -222,6 +228,8 @@ def _read_lengths(dist: EmpiricalLength) -> list[int]:
     try:
         for line_num, cell in lines:
             cell = (cell or "").strip()
+            if is_csv and not cell:  # a row without the length would bias the resampling
+                raise KvsimConfigError(f"{path}:{line_num}: column {short_repr(column)} is empty")
             if not cell or cell.startswith("#"):
                 continue
             try:

@@ -109,6 +109,18 @@ def test_empirical_reads_csv_column(tmp_path):
         EmpiricalLength(path=str(path), column="x").sample(rng(), 1)
 
 
+def test_empirical_refuses_an_empty_csv_cell_and_a_column_of_a_plain_list(tmp_path):
+    path = tmp_path / "lengths.csv"
+    path.write_text("prompt,output\n100,7\n200,\n")
+    with pytest.raises(ValueError, match=r"lengths.csv:3: column 'output' is empty"):
+        EmpiricalLength(path=str(path), column="output").sample(rng(), 1)
+    plain = tmp_path / "lengths.txt"
+    plain.write_text("12\n\n13\n")  # blank lines in a plain list are skipped
+    assert set(EmpiricalLength(path=str(plain)).sample(rng(), 100)) == {12, 13}
+    with pytest.raises(ValueError, match=r"column='output' is for a .csv file"):
+        EmpiricalLength(path=str(plain), column="output").sample(rng(), 1)
+
+
 def test_empirical_bad_line_names_file_and_line(tmp_path):
     path = tmp_path / "lengths.txt"
     path.write_text("12\nabc\n")
