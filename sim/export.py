@@ -36,6 +36,7 @@ import yaml
 from sim.config.sizing import size_deployable_kv_cache
 from sim.console import note
 from sim.errors import KvsimConfigError
+from sim.files import write_atomic, write_new_folder
 from sim.scenario import Scenario
 
 ExportFormat = Literal["vllm-args", "vllm-yaml", "triton"]
@@ -306,24 +307,21 @@ def export(scenario: Scenario, fmt: str, out: Path, model: str | None = None) ->
         raise KvsimConfigError(
             f"--out {out}: vllm serve --config reads only .yaml or .yml files; name it so"
         )
+    # Each output appears whole or not at all (written aside, renamed into place): a failed
+    # write leaves nothing that would block the rerun.
     if fmt == "vllm-args":
         text = f"#!/bin/sh\n# {_provenance(scenario)}\n"
-        out.write_text(text + serve_command(scenario, model) + "\n")
-        out.chmod(out.stat().st_mode | 0o111)  # a script: executable
-        return [out]
+        # A script: executable.
+        return [write_atomic(out, text + serve_command(scenario, model) + "\n", executable=True)]
     if fmt == "vllm-yaml":
-        out.write_text(serve_yaml(scenario, model))
-        return [out]
+        return [write_atomic(out, serve_yaml(scenario, model))]
     name = triton_model_name(scenario)
     # Built before anything is written: a refused config leaves no half repository.
-    config_text = triton_config_pbtxt(name, scenario)
-    model_json_text = json.dumps(triton_model_json(scenario, model), indent=2) + "\n"
-    version_dir = out / name / "1"
-    version_dir.mkdir(parents=True)
-    config = out / name / "config.pbtxt"
-    config.write_text(config_text)
-    model_json = version_dir / "model.json"
-    model_json.write_text(model_json_text)
+    files = {
+        f"{name}/config.pbtxt": triton_config_pbtxt(name, scenario),
+        f"{name}/1/model.json": json.dumps(triton_model_json(scenario, model), indent=2) + "\n",
+    }
+    written = write_new_folder(out, files)
     for warning in triton_warnings(scenario):
         note(f"warning: {warning}")
-    return [config, model_json]
+    return written

@@ -5,20 +5,25 @@ its files are written (they are written to a hidden sibling, then renamed into p
 crash never leaves a directory that looks complete, and an existing run is never overwritten.
 
 Before a run simulates, it claims its directory (:func:`claim_run_dir`): the directory is
-created atomically, holding only a ``.kvsim-claim`` file with the owner's pid, so two runs
-started together with the same ``--out`` (or none) never pick the same directory, and the
-second learns it before it simulates. What a killed run leaves (a claimed but empty
-directory, a hidden ``.<name>.partial-<pid>`` sibling) is removed by the next run in the
-same folder once its owner is gone, and :func:`list_runs` never lists it.
+created atomically, holding only a ``.kvsim-claim`` file with the owner's pid and host name,
+so two runs started together with the same ``--out`` (or none) never pick the same
+directory, and the second learns it before it simulates. What a killed run leaves (a claimed
+but empty directory, a hidden ``.<name>.partial-<pid>@<host>`` sibling, ``<host>`` a digest
+of the host name) is removed by the next run in the same folder on the same host once its
+owner is gone, and :func:`list_runs` never lists it. A run on another host (shared storage:
+NFS, a Ray cluster's sweep) is never judged by its pid here; leftovers of kvsim versions
+that recorded no host are taken as this host's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
+import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,13 +32,15 @@ from typing import Any
 import pandas as pd
 
 from sim.errors import KvsimConfigError, short_repr
+from sim.files import hidden_name, probe_folder, reason
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.parquet"
 STEPS = "steps.parquet"
 SCENARIO = "scenario.yaml"
 CLAIM = ".kvsim-claim"
-_PARTIAL = re.compile(r"^\..+\.partial-(\d+)$")
+# A writer's hidden run: .<name>.partial-<pid>, and @<host tag> since hosts are recorded.
+_PARTIAL = re.compile(r"^\..+\.partial-(\d+)(?:@([0-9a-f]{8}))?$")
 
 
 @dataclass
@@ -63,6 +70,23 @@ def new_run_dir(base: Path, name: str) -> Path:
     return base / f"{name}-{n}"
 
 
+def this_host() -> str:
+    """This machine's name, as recorded in a claim."""
+    return socket.gethostname()
+
+
+def _host_tag(host: str) -> str:
+    """A short, file-name-safe digest of ``host`` (in a partial run's name)."""
+    return hashlib.sha256(host.encode()).hexdigest()[:8]
+
+
+def partial_dir(out_dir: Path, pid: int | None = None) -> Path:
+    """The hidden sibling ``.<name>.partial-<pid>@<host tag>`` a run is written into before
+    it is renamed into place (the name cut to fit a file name where it is long)."""
+    pid = os.getpid() if pid is None else pid
+    return out_dir.with_name(hidden_name(out_dir.name, f".partial-{pid}@{_host_tag(this_host())}"))
+
+
 def _pid_alive(pid: int) -> bool:
     if pid <= 0:
         return False
@@ -75,24 +99,66 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _claim_pid(path: Path) -> int | None:
-    """The pid in ``path``'s claim file, or None if it is not a claimed directory."""
+def _claim_owner(path: Path) -> tuple[int, str | None] | None:
+    """The pid and host in ``path``'s claim file (host None: written before hosts were
+    recorded), or None if it is not a claimed directory."""
     try:
-        return int((path / CLAIM).read_text().strip() or "0")
+        lines = (path / CLAIM).read_text().split("\n")
+        pid = int(lines[0].strip() or "0")
     except (OSError, ValueError):
         return None
+    host = lines[1].strip() if len(lines) > 1 and lines[1].strip() else None
+    return pid, host
+
+
+def _local(host: str | None) -> bool:
+    """Whether a claim of ``host`` is this machine's (an old claim without one is taken as
+    this machine's, as kvsim treated it when it wrote it)."""
+    return host is None or host == this_host()
 
 
 def _owned_claim(path: Path) -> bool:
     """True if ``path`` is claimed by this process or its parent (a replay worker writes the
-    run its parent claimed)."""
-    return _claim_pid(path) in (os.getpid(), os.getppid())
+    run its parent claimed), on this host."""
+    owner = _claim_owner(path)
+    return owner is not None and owner[0] in (os.getpid(), os.getppid()) and _local(owner[1])
+
+
+def _dead_partial(match: re.Match[str]) -> bool:
+    """Whether a partial run's writer (its name's pid and host) is gone from this host."""
+    pid, tag = int(match.group(1)), match.group(2)
+    return tag in (None, _host_tag(this_host())) and not _pid_alive(pid)
+
+
+def _dead_claim(path: Path) -> int | None:
+    """The pid of a claimed directory's owner if it is gone from this host and the
+    directory holds nothing but its claim, else None."""
+    owner = _claim_owner(path)
+    if owner is None or not _local(owner[1]) or _pid_alive(owner[0]):
+        return None
+    return owner[0] if os.listdir(path) == [CLAIM] else None
+
+
+def _discard(path: Path, pid: int) -> bool:
+    """Remove the claimed folder ``path`` so that its name is either free or left as it
+    was, marker included: it is renamed to a hidden partial name (``pid``'s, which
+    :func:`clean_stale` removes once that process is gone) before anything in it is
+    removed. A claim whose parent cannot be written (made read-only mid-run) thus keeps its
+    marker, instead of becoming an empty unmarked folder that blocks a rerun. Returns
+    whether the name was freed."""
+    hidden = partial_dir(path, pid)
+    try:
+        os.rename(path, hidden)
+    except OSError:
+        return False
+    shutil.rmtree(hidden, ignore_errors=True)
+    return True
 
 
 def clean_stale(base: Path) -> list[Path]:
-    """Remove what killed runs left in ``base``: hidden ``.<name>.partial-<pid>`` folders and
-    claimed directories holding nothing but their claim, whose owner process is gone.
-    Returns what was removed. Never raises."""
+    """Remove what killed runs on this host left in ``base``: hidden ``.<name>.partial-*``
+    folders and claimed directories holding nothing but their claim, whose owner process is
+    gone. Returns what was removed. Never raises."""
     removed: list[Path] = []
     try:
         entries = list(os.scandir(base))
@@ -105,13 +171,10 @@ def clean_stale(base: Path) -> list[Path]:
             path = Path(entry.path)
             match = _PARTIAL.match(entry.name)
             if match:
-                if not _pid_alive(int(match.group(1))):
+                if _dead_partial(match):
                     shutil.rmtree(path, ignore_errors=True)
                     removed.append(path)
-                continue
-            pid = _claim_pid(path)
-            if pid is not None and not _pid_alive(pid) and os.listdir(path) == [CLAIM]:
-                shutil.rmtree(path, ignore_errors=True)
+            elif (pid := _dead_claim(path)) is not None and _discard(path, pid):
                 removed.append(path)
         except OSError:
             continue
@@ -130,10 +193,31 @@ def _create_parent(out_dir: Path, option: str, refuse_existing: bool = False) ->
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
+        why = reason(exc)
         if isinstance(exc, FileExistsError):
-            reason = f"{out_dir.parent} is not a directory"
-        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+            why = f"{out_dir.parent} is not a directory"
+        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({why})") from None
+
+
+def _taken(out_dir: Path, option: str) -> KvsimConfigError:
+    """The refusal of an ``out_dir`` that exists, saying whose claim it is if it is one."""
+    owner = _claim_owner(out_dir)
+    if owner is None:
+        return KvsimConfigError(f"{option} {out_dir}: already exists; kvsim never overwrites a run")
+    pid, host = owner
+    where = f"pid {pid}" + ("" if _local(host) else f" on host {host}")
+    return KvsimConfigError(
+        f"{option} {out_dir}: already exists, claimed by a kvsim run in progress ({where}); "
+        "kvsim never overwrites a run (if that run is gone, delete the folder)"
+    )
+
+
+def _write_claim(out_dir: Path, text: str) -> None:
+    """Write ``out_dir``'s claim file aside and rename it in: another process's clean_stale
+    must never read a claim file still empty (pid 0, dead) and remove the run just claimed."""
+    pending = out_dir / f".{CLAIM}.{os.getpid()}"
+    pending.write_text(text)
+    os.replace(pending, out_dir / CLAIM)
 
 
 def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
@@ -148,33 +232,31 @@ def claim_run_dir(out_dir: Path, option: str = "--out") -> Path:
     try:
         out_dir.mkdir()
     except FileExistsError:
-        raise KvsimConfigError(
-            f"{option} {out_dir}: already exists; kvsim never overwrites a run"
-        ) from None
+        raise _taken(out_dir, option) from None
     except (OSError, ValueError) as exc:
-        reason = getattr(exc, "strerror", None) or str(exc)
-        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason})") from None
+        raise KvsimConfigError(f"{option} {out_dir}: cannot create it ({reason(exc)})") from None
     try:
-        # Written aside and renamed in: another process's clean_stale must never read a
-        # claim file still empty (pid 0, dead) and remove the run just claimed.
-        pending = out_dir / f".{CLAIM}.{os.getpid()}"
-        pending.write_text(f"{os.getpid()}\n")
-        os.replace(pending, out_dir / CLAIM)
+        _write_claim(out_dir, f"{os.getpid()}\n{this_host()}\n")
     except OSError as exc:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise KvsimConfigError(
-            f"{option} {out_dir}: cannot write into it ({exc.strerror or exc})"
+            f"{option} {out_dir}: cannot write into it ({reason(exc)})"
         ) from None
     return out_dir
 
 
 def check_out_free(out_dir: Path, option: str = "--out") -> None:
     """KvsimConfigError unless ``out_dir`` does not exist and its folder can be created and
-    written (for writers that create the directory themselves, later)."""
+    written (for writers that create the directory themselves, later): a real write, as
+    ``os.access`` says yes to root even where nothing can be written (``/proc``)."""
     out_dir = Path(out_dir)
     _create_parent(out_dir, option, refuse_existing=True)
-    if not os.access(out_dir.parent, os.W_OK | os.X_OK):
-        raise KvsimConfigError(f"{option} {out_dir}: its folder is not writable")
+    try:
+        probe_folder(out_dir.parent)
+    except (OSError, ValueError) as exc:
+        raise KvsimConfigError(
+            f"{option} {out_dir}: its folder {out_dir.parent} is not writable ({reason(exc)})"
+        ) from None
 
 
 def claim_new_run_dir(base: Path, name: str) -> Path:
@@ -192,11 +274,13 @@ def claim_new_run_dir(base: Path, name: str) -> Path:
 
 
 def release_claim(out_dir: Path) -> None:
-    """Remove ``out_dir`` if it is still only this process's claim (a run that failed)."""
+    """Remove ``out_dir`` if it is still only this process's claim (a run that failed).
+    Where the folder cannot be removed (its parent made read-only) it keeps its claim,
+    which a later run removes once this process is gone."""
     out_dir = Path(out_dir)
     with contextlib.suppress(OSError):
         if _owned_claim(out_dir) and os.listdir(out_dir) == [CLAIM]:
-            shutil.rmtree(out_dir, ignore_errors=True)
+            _discard(out_dir, os.getpid())
 
 
 def list_runs(base: Path) -> list[Path]:
@@ -235,7 +319,8 @@ def write_run(
     if out_dir.exists() and not claimed:
         raise FileExistsError(f"{out_dir} already exists; kvsim never overwrites a run")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_dir.parent / f".{out_dir.name}.partial-{os.getpid()}"
+    tmp = partial_dir(out_dir)
+    marker: str | None = None
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -249,10 +334,16 @@ def write_run(
         if claimed:
             # The claim is an empty directory but for its marker: rename(2) replaces an
             # empty directory atomically.
+            marker = (out_dir / CLAIM).read_text()
             (out_dir / CLAIM).unlink()
         os.rename(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        if claimed and marker is not None and not (out_dir / CLAIM).exists():
+            # The rename failed (the folder made read-only): the claim keeps its marker,
+            # or it would be an empty folder no run may remove.
+            with contextlib.suppress(OSError):
+                _write_claim(out_dir, marker)
         raise
     return out_dir
 

@@ -5,7 +5,6 @@ registered on the ``kvsim`` app by :mod:`sim.cli`."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -23,6 +22,7 @@ from rich.table import Table
 
 from sim.console import console, err_console, fail, note
 from sim.errors import KvsimConfigError
+from sim.files import probe_folder, reason, write_new_folder
 from sim.fleet.config import ROUTING_WHAT_IF
 
 if TYPE_CHECKING:
@@ -86,12 +86,26 @@ def check_export_options(
 
 
 def check_parent(path: Path | None, option: str) -> None:
-    """The folder ``path`` goes in exists and is writable (checked before a long search)."""
+    """The folder ``path`` goes in can be written, checked before a long search with a real
+    write (``os.access`` says yes to root, even under ``/proc``): the folder is created if
+    missing (as a run's is), and a hidden file created in it and removed."""
     if path is None:
         return
-    parent = path.resolve().parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise KvsimConfigError(f"{option} {path}: {parent} is not a writable folder")
+    try:
+        parent = path.resolve().parent
+        probe_folder(parent)
+    except (OSError, ValueError, RuntimeError) as exc:  # RuntimeError: a symlink loop
+        where = path.parent if isinstance(exc, RuntimeError) else parent
+        raise KvsimConfigError(
+            f"{option} {path}: {where} is not a writable folder ({reason(exc)})"
+        ) from None
+
+
+def write_document(out: Path, name: str, document: dict[str, Any]) -> Path:
+    """``document`` as ``out/name`` (JSON) in the new folder ``out``, which appears only
+    once complete: a failed write leaves no folder to block the rerun."""
+    (file,) = write_new_folder(out, {name: json.dumps(document, indent=2) + "\n"})
+    return file
 
 
 def export_cmd(
@@ -217,11 +231,25 @@ def sweep(
                 f"in {out}; run the same command again to finish the rest",
                 highlight=False,
             )
+        else:
+            err_console.print(
+                "interrupted before any point ran; run the same command again to start the sweep",
+                highlight=False,
+            )
         raise typer.Exit(130) from None
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
-    except OSError as exc:
-        raise fail(f"--out {out}: cannot write the sweep ({exc})") from None
+    except OSError as exc:  # the sweep's folder, or a point's run in it
+        raise fail(
+            f"cannot write the sweep in {out}: {exc}; the finished points are kept and the "
+            "rest stay pending: make room (or fix the folder) and run the same command again "
+            "to resume"
+        ) from None
+    except MemoryError:
+        raise fail(
+            f"out of memory running the sweep in {out}; the finished points are kept and the "
+            "rest stay pending: run the same command again, with fewer --workers, to resume"
+        ) from None
     ok = table["status"] == "ok"
     ran, failed = int(ok.sum()), int((table["status"] == "failed").sum())
     pending = len(table) - ran - failed
@@ -415,18 +443,24 @@ def _write_results(
     """Write capacity.json into ``out`` and the export, once a search has finished."""
     from sim.export import export
 
-    try:
-        if out is not None:
-            out.mkdir(parents=True)
-            (out / "capacity.json").write_text(json.dumps(document, indent=2) + "\n")
-            console.print(f"written to {out / 'capacity.json'}", highlight=False)
-        if export_format is not None and export_out is not None:
+    if out is not None:
+        try:
+            written = write_document(out, "capacity.json", document)
+        except OSError as exc:
+            raise fail(
+                f"the search finished, but its results could not be written to {out}: {exc}"
+            ) from None
+        console.print(f"written to {written}", highlight=False)
+    if export_format is not None and export_out is not None:
+        try:
             # The deployment is the scenario's own engine config (one replica's, for a fleet,
             # with the replica count and router the search found in its notes).
             for file in export(spec, export_format, export_out):
                 console.print(f"wrote {file}", highlight=False)
-    except (KvsimConfigError, OSError) as exc:
-        raise fail(f"the search finished, but its results could not be written: {exc}") from None
+        except (KvsimConfigError, OSError) as exc:
+            raise fail(
+                f"the search finished, but the export to {export_out} failed: {exc}"
+            ) from None
 
 
 def _search_replicas(

@@ -7,9 +7,11 @@ A sweep folder holds:
   resumes; a different sweep is refused.
 - ``points/<id>/``: each finished point's run directory (as ``kvsim run`` writes it),
   renamed into place by the worker once complete; ``points/<id>.error.json`` for a point
-  that failed (its one-paragraph error). Either one marks the point done: a resumed sweep
-  runs only the others, so a killed sweep (SIGINT or SIGKILL) loses no finished point and
-  runs none twice.
+  whose scenario or simulation failed (its one-paragraph error). Either one marks the point
+  done: a resumed sweep runs only the others, so a killed sweep (SIGINT or SIGKILL) loses no
+  finished point and runs none twice. A point that could not be written (a full disk, a file
+  size limit: OSError) or ran out of memory is no result of the point: it stops the sweep,
+  and stays pending for the resumed sweep to run.
 - ``results.parquet``: one row per point (its overrides, key metrics, SLO verdicts, status,
   error and run directory), rebuilt from ``points/`` whenever the sweep ends.
 
@@ -19,21 +21,18 @@ Points run in worker processes (all local cores by default); each point is deter
 
 from __future__ import annotations
 
-import ctypes
 import fcntl
 import hashlib
 import itertools
 import json
 import os
 import shutil
-import signal
 import socket
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures.process import BrokenProcessPool
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +40,8 @@ import pandas as pd
 
 from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError, short_repr
-from sim.interrupts import completed, sigint_deferred
+from sim.files import atomic_path, write_atomic
+from sim.interrupts import completed, sigint_deferred, stop_pool, submit, worker_pool
 from sim.report import what_if_lines
 from sim.scenario import check_runnable, load_scenario
 
@@ -185,15 +185,23 @@ def plan_sweep(scenario: Path, grid_specs: list[str], sets: list[str], out: Path
     elif out.exists() and any(out.iterdir()):
         raise KvsimConfigError(f"--out {out}: exists and is not a sweep folder")
     else:
-        (out / POINTS_DIR).mkdir(parents=True, exist_ok=True)
-        _write_atomic(spec_file, json.dumps(document, indent=2) + "\n")
+        _create_sweep(out, json.dumps(document, indent=2) + "\n")
     return plan
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _create_sweep(out: Path, spec_text: str) -> None:
+    """The new sweep folder: ``points/``, then ``sweep.json``; where that cannot be written,
+    the folders just made are removed again (a folder without sweep.json would refuse the
+    rerun as "not a sweep folder")."""
+    made = [d for d in (out, out / POINTS_DIR) if not d.exists()]
+    (out / POINTS_DIR).mkdir(parents=True, exist_ok=True)
+    try:
+        write_atomic(out / SWEEP_FILE, spec_text)
+    except BaseException:
+        for folder in reversed(made):
+            with suppress(OSError):
+                folder.rmdir()
+        raise
 
 
 def point_done(out: Path, point_id: str) -> bool:
@@ -203,7 +211,11 @@ def point_done(out: Path, point_id: str) -> bool:
 
 def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) -> str | None:
     """Simulate one point and persist it; returns its error (None when it ran). Runs in a
-    worker process: the run directory is written aside and renamed into place complete."""
+    worker process: the run directory is written aside and renamed into place complete.
+
+    Only the point's own failure (its scenario, its simulation) is its result. An OSError
+    (the run or its error file could not be written) or a MemoryError is raised, leaving the
+    point pending: it says nothing about the point, and a resumed sweep runs it again."""
     from sim.runner import simulate
 
     points = out / POINTS_DIR
@@ -219,6 +231,9 @@ def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) ->
         result.write(tmp)
         os.replace(tmp, points / point.id)
         return None
+    except (OSError, MemoryError):
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     except Exception as exc:  # a failed point is recorded and the sweep goes on
         shutil.rmtree(tmp, ignore_errors=True)
         error = str(exc) if isinstance(exc, KvsimConfigError) else f"{type(exc).__name__}: {exc}"
@@ -227,7 +242,7 @@ def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) ->
 
 
 def _record_error(out: Path, point: Point, error: str) -> None:
-    _write_atomic(
+    write_atomic(
         out / POINTS_DIR / f"{point.id}{ERROR_SUFFIX}",
         json.dumps({"id": point.id, "overrides": list(point.overrides), "error": error}),
     )
@@ -325,9 +340,8 @@ def _run_on_ray(
                 point = refs.pop(ref)
                 try:
                     error = ray.get(ref)
-                except Exception as exc:  # the task or its worker died (e.g. Ray's OOM killer)
-                    error = f"Ray task failed: {type(exc).__name__}: {exc}"
-                    _record_error(plan.out, point, error)
+                except Exception as exc:
+                    raise ray_failure(exc, plan.out) from None
                 if on_point is not None:
                     on_point(point, error)
     finally:
@@ -336,18 +350,18 @@ def _run_on_ray(
         ray.shutdown()
 
 
-PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def die_with_parent() -> None:
-    """Worker initializer: on Linux the kernel kills a worker when the sweep process dies,
-    so a SIGKILLed sweep leaves no worker running points or holding the folder's lock."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):  # not Linux
-        return
-    if os.getppid() == 1:  # the parent died before prctl took effect
-        os._exit(1)
+def ray_failure(exc: BaseException, out: Path) -> BaseException:
+    """What stops the sweep when a Ray task failed: the point's own OSError or MemoryError
+    (Ray's error keeps it as ``cause``), else a one-paragraph error (its worker died: Ray's
+    OOM killer, a lost node). Either way the point stays pending for a resume."""
+    for candidate in (getattr(exc, "cause", None), exc):
+        if isinstance(candidate, OSError | MemoryError):
+            return candidate
+    what = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return KvsimConfigError(
+        f"a Ray task failed ({what}); the finished points are kept in {out}: re-run the "
+        "same command to resume"
+    )
 
 
 def _run_locally(
@@ -356,42 +370,26 @@ def _run_locally(
     workers: int,
     on_point: Callable[[Point, str | None], None] | None,
 ) -> None:
-    # Spawned, not forked: the progress bar's refresh thread runs while the pool starts.
-    pool = ProcessPoolExecutor(
-        max_workers=min(workers, len(pending)),
-        initializer=die_with_parent,
-        mp_context=get_context("spawn"),
-    )
+    pool = worker_pool(min(workers, len(pending)))
     try:
         with sigint_deferred() as interrupt:
             futures: dict[Future[str | None], Point] = {
-                pool.submit(run_point, plan.scenario, plan.sets, p, plan.out): p for p in pending
+                submit(pool, run_point, plan.scenario, plan.sets, p, plan.out): p for p in pending
             }
             for future in completed(futures, interrupt):
-                error = future.result()
+                error = future.result()  # a point's OSError or MemoryError: raised here
                 if on_point is not None:
                     on_point(futures[future], error)
     except BrokenProcessPool:
-        _stop(pool)
+        stop_pool(pool)
         raise KvsimConfigError(
             f"a worker process died (out of memory?); the finished points are kept in "
             f"{plan.out}: re-run the same command to resume, with fewer --workers"
         ) from None
-    except BaseException:  # Ctrl-C: stop now, not after the queued points
-        _stop(pool)
+    except BaseException:  # Ctrl-C, a point that could not be written: stop now
+        stop_pool(pool)
         raise
     pool.shutdown(wait=True)
-
-
-def _stop(pool: ProcessPoolExecutor) -> None:
-    # A worker survives SIGINT in the middle of a point (the executor hands the exception
-    # back as the point's result) and would take the next one: terminate them.
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
-        process.terminate()
-    for process in processes:
-        process.join(timeout=10)
 
 
 def run_sweep(
@@ -407,8 +405,7 @@ def run_sweep(
     kvsim installed on every node."""
     check_runner(workers, None)
     with sweep_lock(plan.out):
-        for stale in (plan.out / POINTS_DIR).glob(".tmp-*"):  # a killed worker's leftovers
-            shutil.rmtree(stale, ignore_errors=True)
+        _remove_leftovers(plan.out)
         pending = plan.pending()
         try:
             if pending and ray_address is not None:
@@ -416,9 +413,23 @@ def run_sweep(
             elif pending:
                 _run_locally(plan, pending, workers, on_point)
         except BaseException:
-            write_results(plan)  # what finished, the rest pending
+            with suppress(OSError):  # the error to report is the one that stopped the sweep
+                write_results(plan)  # what finished, the rest pending
             raise
         return write_results(plan)
+
+
+def _remove_leftovers(out: Path) -> None:
+    """What killed workers and writers left (the sweep's lock is held): points written
+    aside (``.tmp-*``, their ``.partial-*``) and hidden temporary files (``.*.tmp``)."""
+    points = out / POINTS_DIR
+    hidden = (".tmp-*", ".*.partial-*", ".*.tmp")
+    for stale in [*(s for pattern in hidden for s in points.glob(pattern)), *out.glob(".*.tmp")]:
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+        else:
+            with suppress(OSError):
+                stale.unlink()
 
 
 def _dig(document: Any, path: tuple[str, ...]) -> Any:
@@ -478,8 +489,6 @@ def write_results(plan: SweepPlan) -> pd.DataFrame:
         kinds = {type(v) for v in table[field] if v is not None}
         if len(kinds) > 1:
             table[field] = [None if v is None else str(v) for v in table[field]]
-    path = plan.out / RESULTS_FILE
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    table.to_parquet(tmp, index=False)
-    os.replace(tmp, path)
+    with atomic_path(plan.out / RESULTS_FILE) as tmp:
+        table.to_parquet(tmp, index=False)
     return table

@@ -3,7 +3,6 @@ under the SLOs, prints it and exports it (registered on the ``kvsim`` app by :mo
 
 from __future__ import annotations
 
-import json
 import math
 import shlex
 from pathlib import Path
@@ -23,6 +22,7 @@ from sim.rollout_commands import (
     check_export_options,
     check_parent,
     slo_overrides,
+    write_document,
 )
 
 if TYPE_CHECKING:
@@ -85,7 +85,6 @@ def tune_cmd(
             )
         if out is not None and out.exists():
             raise FileExistsError(f"--out {out}: already exists; kvsim never overwrites")
-        check_parent(out, "--out")
         if not math.isfinite(gpu_hour_usd) or gpu_hour_usd <= 0:
             raise KvsimConfigError(f"--gpu-hour-usd {gpu_hour_usd}: must be a positive number")
         if memory_policies not in (None, "exportable", "all"):
@@ -104,6 +103,7 @@ def tune_cmd(
         # for export is the scenario's engine with it reset (every policy offered exports).
         exported = spec if memory_policies is None else with_engine(spec, POLICY_RESET)
         check_export_options(export_format, export_out, exported)
+        check_parent(out, "--out")  # last: it creates the folder --out goes in
 
         def progress(trial: object) -> None:
             t = trial  # a sim.tune.Trial
@@ -143,7 +143,6 @@ def tune_cmd(
     )
     try:
         if out is not None:  # every trial, also when none was feasible
-            out.mkdir(parents=True)
             document = {
                 "scenario": spec.name,
                 "objective": objective,
@@ -157,10 +156,12 @@ def tune_cmd(
                 "pareto": [t.number for t in result.pareto],
                 "trials": [t.__dict__ for t in result.trials],
             }
-            (out / "tune.json").write_text(json.dumps(document, indent=2) + "\n")
-            console.print(f"written to {out / 'tune.json'}", highlight=False)
+            written = write_document(out, "tune.json", document)
+            console.print(f"written to {written}", highlight=False)
     except OSError as exc:
-        raise fail(f"the search finished, but tune.json could not be written: {exc}") from None
+        raise fail(
+            f"the search finished, but tune.json could not be written to {out}: {exc}"
+        ) from None
     if best is None:
         raise fail("no trial met every SLO with every request finished; relax --slo or the load")
     assert best_spec is not None

@@ -25,10 +25,8 @@ the band costs N runs, spread over worker processes.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from multiprocessing import get_context
 from typing import Any
 
 import numpy as np
@@ -36,7 +34,7 @@ import numpy as np
 from sim.config.calibration import CalibrationProfile
 from sim.cores import default_workers
 from sim.errors import KvsimConfigError
-from sim.interrupts import result_of, sigint_deferred
+from sim.interrupts import result_of, sigint_deferred, stop_pool, submit, worker_pool
 from sim.metrics import HEADLINE_METRICS, metric_value
 from sim.scenario import Scenario
 from sim.step_jitter import JitterSpec
@@ -195,6 +193,31 @@ def _simulate_summary(
     return simulate(scenario, profile, step_time_scale=scale, step_jitter=jitter).summary
 
 
+Job = tuple[Scenario, float, JitterSpec | None]  # a sample's scenario, speed and jitter
+
+
+def _run_in_workers(
+    jobs: Sequence[Job],
+    profile: CalibrationProfile,
+    workers: int,
+    add: Callable[[dict[str, Any]], None],
+) -> None:
+    """Each job's summary, in job order, to ``add``, from ``workers`` worker processes
+    (:func:`sim.interrupts.worker_pool`: they die with this process and never see Ctrl-C).
+    Interrupted (Ctrl-C, a dashboard rerun) or failed, the workers are terminated at once
+    rather than waited for."""
+    pool = worker_pool(workers)
+    try:
+        with sigint_deferred() as interrupt:
+            futures = [submit(pool, _simulate_summary, spec, profile, f, j) for spec, f, j in jobs]
+            for future in futures:  # in sample order: the result does not depend on timing
+                add(result_of(future, interrupt))
+    except BaseException:
+        stop_pool(pool)
+        raise
+    pool.shutdown(wait=True)
+
+
 def run_samples(
     scenario: Scenario,
     profile: CalibrationProfile | None,
@@ -211,7 +234,7 @@ def run_samples(
     number done."""
     factors = sample_factors(profile, num_samples)
     assert profile is not None
-    jobs = [
+    jobs: list[Job] = [
         (
             scenario.model_copy(update={"seed": scenario.seed + i}) if vary_seed else scenario,
             f,
@@ -229,20 +252,7 @@ def run_samples(
 
     if workers > 1:
         try:
-            # Spawned, not forked: the caller may run threads (a progress bar, the dashboard's
-            # server) whose locks a forked child would inherit held.
-            pool = ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn"))
-            try:
-                with sigint_deferred() as interrupt:
-                    futures = [
-                        pool.submit(_simulate_summary, spec, profile, f, j) for spec, f, j in jobs
-                    ]
-                    for future in futures:  # in sample order: the result does not depend on timing
-                        add(result_of(future, interrupt))
-            finally:
-                # Interrupted (Ctrl-C, a dashboard rerun): drop the samples not started
-                # rather than wait for them all.
-                pool.shutdown(wait=False, cancel_futures=True)
+            _run_in_workers(jobs, profile, workers, add)
         except (OSError, BrokenProcessPool) as exc:
             # No worker processes here (no /dev/shm, a sandbox), or a worker died (memory):
             # the samples left run one by one in this process, with the same results.

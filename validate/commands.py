@@ -13,6 +13,7 @@ from rich.table import Table
 
 from sim.console import console, err_console, fail, note
 from sim.errors import KvsimConfigError
+from sim.files import write_atomic
 from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
 from validate.compare import ComparisonRow, compare_summaries, rows_to_records
@@ -543,6 +544,6 @@ def compare_cmd(
             note(what_if, "cyan")
     if out is not None:
         try:
-            out.write_text(json.dumps(rows_to_records(rows), indent=2, allow_nan=False) + "\n")
+            write_atomic(out, json.dumps(rows_to_records(rows), indent=2, allow_nan=False) + "\n")
         except OSError as exc:
             raise fail(f"--out {out}: cannot write the table ({exc})") from None

@@ -66,7 +66,16 @@ def claims(
                 bar.update(task, advance=1, description=f"claims: {what} done")
 
             study = run_study(source, workers or default_workers(), done, phase)
-        report = write_report(study, out)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None
+    except OSError as exc:  # a file the scenario names, worker processes that cannot start
+        raise fail(f"the claims study of {source} stopped: {exc}") from None
+    try:
+        report = write_report(study, out)
+    except (KvsimConfigError, ValueError) as exc:  # the plots (kaleido)
+        raise fail(str(exc)) from None
+    except OSError as exc:
+        raise fail(
+            f"the study finished, but the report could not be written to {out}: {exc}"
+        ) from None
     console.print(f"report: {report}", highlight=False)

@@ -7,7 +7,6 @@ writes the files. Numbers are rounded for reading; the raw results go to ``claim
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from sim import __version__
 from sim.claims.study import AMPLE_FACTOR, PRESSURE_LOAD, UTILIZATION_LOADS, Study
 from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
 from sim.errors import KvsimConfigError
+from sim.files import write_new_folder
 
 TTFT = "vllm:time_to_first_token_seconds"
 ITL = "vllm:inter_token_latency_seconds"
@@ -385,12 +385,13 @@ def check_png_export() -> None:
 
 def write_report(study: Study, out: Path) -> Path:
     """``claims.md``, its PNG plots and ``claims.json`` in the new directory ``out``, written
-    beside it first and renamed into place, so an interrupted report leaves nothing."""
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    write_png(sessions_figure(study), partial / "sessions.png")
-    write_png(utilization_figure(study), partial / "utilization.png")
+    in a hidden sibling of this process first and renamed into place, so an interrupted or
+    failed report leaves nothing (:func:`sim.files.write_new_folder`)."""
+
+    def plots(folder: Path) -> None:
+        write_png(sessions_figure(study), folder / "sessions.png")
+        write_png(utilization_figure(study), folder / "utilization.png")
+
     raw = {
         "scenario": study.scenario.model_dump(mode="json"),
         "knob": study.knob_field,
@@ -398,7 +399,9 @@ def write_report(study: Study, out: Path) -> Path:
         "capacity": study.capacity,
         "runs": {f"{group}/{key}": result for (group, key), result in study.runs.items()},
     }
-    (partial / "claims.json").write_text(json.dumps(raw, indent=1, default=str) + "\n")
-    (partial / "claims.md").write_text(render_markdown(study))
-    partial.rename(out)
+    files = {
+        "claims.json": json.dumps(raw, indent=1, default=str) + "\n",
+        "claims.md": render_markdown(study),
+    }
+    write_new_folder(out, files, extra=plots)
     return out / "claims.md"

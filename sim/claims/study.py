@@ -20,9 +20,8 @@ seed, so the report does not depend on the number of workers.
 from __future__ import annotations
 
 from collections.abc import Callable
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,8 @@ from sim.capacity import default_knob, find_capacity, get_field
 from sim.claims.variants import ALLOCATOR_VARIANTS, SESSION_VARIANTS, Variant
 from sim.config.limits import MAX_NUM_GPU_BLOCKS, MAX_SECONDS
 from sim.errors import KvsimConfigError
-from sim.interrupts import completed, sigint_deferred
+from sim.interrupts import completed, sigint_deferred, stop_pool, submit, worker_pool
 from sim.scenario import Scenario, check_runnable, load_scenario
-from sim.sweep import die_with_parent
 from sim.workload import AgentSessionsWorkload
 
 UTILIZATION_LOADS = (0.5, 0.75, 1.0, 1.25, 1.5)
@@ -99,29 +97,25 @@ def _run_tasks(
     on_done: Callable[[Task, dict[str, Any]], None],
 ) -> dict[tuple[str, str], dict[str, Any]]:
     results: dict[tuple[str, str], dict[str, Any]] = {}
-    # Spawned, not forked: the progress bar's refresh thread runs while the pool starts.
-    pool = ProcessPoolExecutor(
-        max_workers=max(1, min(workers, len(tasks))),
-        initializer=die_with_parent,
-        mp_context=get_context("spawn"),
-    )
+    # Workers that die with this process and never see Ctrl-C (sim.interrupts).
+    pool = worker_pool(max(1, min(workers, len(tasks))))
     futures: dict[Future[dict[str, Any]], Task] = {}
     try:
         with sigint_deferred() as interrupt:
             for task in tasks:
                 if task.kind == "capacity":
-                    future = pool.submit(capacity_task, str(path), task.overrides)
+                    future = submit(pool, capacity_task, str(path), task.overrides)
                 else:
-                    future = pool.submit(run_task, str(path), task.overrides, task.group == "waste")
+                    future = submit(
+                        pool, run_task, str(path), task.overrides, task.group == "waste"
+                    )
                 futures[future] = task
             for future in completed(futures, interrupt):
                 task = futures[future]
                 results[(task.group, task.key)] = future.result()
                 on_done(task, results[(task.group, task.key)])
-    except BaseException:
-        pool.shutdown(wait=False, cancel_futures=True)
-        for process in list((getattr(pool, "_processes", None) or {}).values()):
-            process.terminate()
+    except BaseException:  # Ctrl-C: terminate the workers rather than wait for their tasks
+        stop_pool(pool)
         raise
     pool.shutdown(wait=True)
     # In task order, not the order the workers finished in: claims.json is the same for

@@ -22,6 +22,7 @@ from sim.config.hardware import HARDWARE_PRESETS, Hardware
 from sim.config.model import ModelGeometry
 from sim.cost_model import CostParams
 from sim.errors import KvsimConfigError, format_validation_error
+from sim.files import write_atomic
 from sim.scheduler.output import BatchShape
 from sim.shape_coverage import ShapeCoverage, shape_coverage
 from sim.step_jitter import check_components, check_quantiles
@@ -226,8 +227,9 @@ def load_profile(path: str | Path) -> CalibrationProfile:
 
 
 def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
-    """Write ``profile`` as indented JSON (what :func:`load_profile` reads)."""
-    Path(path).write_text(profile.model_dump_json(indent=2) + "\n")
+    """Write ``profile`` as indented JSON (what :func:`load_profile` reads), atomically: a
+    failed write leaves no truncated profile."""
+    write_atomic(path, profile.model_dump_json(indent=2) + "\n")
 
 
 # Kernel fits shipped per hardware preset, written by ``kvsim calibrate --vidur`` on Vidur's

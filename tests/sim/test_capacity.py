@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,6 +12,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from sim import files
 from sim.capacity import Knob, default_knob, find_capacity, knee, knob_for, load_point
 from sim.cli import app
 from sim.errors import KvsimConfigError
@@ -209,10 +212,10 @@ def test_an_export_that_cannot_be_written_is_refused_before_the_search(tmp_path:
     result = runner.invoke(
         app,
         ["capacity", str(BURST), "--slo", "ttft_p99_s=1", "--export-format", "vllm-args",
-         "--export-out", str(tmp_path / "missing" / "serve.sh")],
+         "--export-out", "/proc/kvsim/serve.sh"],
     )  # fmt: skip
     assert result.exit_code == 2, result.output
-    assert "is not a writable folder" in " ".join(result.output.split())
+    assert "/proc/kvsim is not a writable folder" in " ".join(result.output.split())
     assert "searching" not in result.output
 
 
@@ -330,3 +333,38 @@ def test_capacity_replicas_exports_the_fleet_it_found_and_fails_when_none_holds(
     assert result.exit_code == 2
     assert "no router tried holds the SLOs" in " ".join(result.output.split())
     assert (tmp_path / "none" / "capacity.json").is_file() and not (tmp_path / "none.sh").exists()
+
+
+def test_an_out_nothing_can_be_written_in_is_refused_before_the_search(tmp_path: Path) -> None:
+    """A real write, not os.access (which says yes to root, under /proc too); a missing
+    folder is created, as for a run."""
+    result = small_capacity("--out", "/proc/kvsim-capacity")
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "--out /proc/kvsim-capacity: /proc is not a writable folder" in text
+    assert "searching" not in result.output
+    (tmp_path / "file").write_text("")
+    result = small_capacity("--out", str(tmp_path / "file" / "cap"))
+    assert result.exit_code == 2 and "searching" not in result.output
+    assert "is not a writable folder" in " ".join(result.output.split())
+
+
+def test_a_capacity_json_that_cannot_be_written_leaves_nothing_to_block_the_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def half_then_full(path: Path, payload: bytes) -> None:
+        path.write_bytes(payload[:10])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / "new" / "cap"
+    with monkeypatch.context() as patch:
+        patch.setattr(files, "_write_all", half_then_full)
+        result = small_capacity("--out", str(out))
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"the search finished, but its results could not be written to {out}" in text
+    assert "No space left on device" in text
+    assert os.listdir(tmp_path / "new") == []  # no folder, no half capacity.json
+    result = small_capacity("--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "capacity.json").read_text())["capacity"] is not None

@@ -3,6 +3,7 @@ model repository (vLLM's own parser reads them back in tests/validate/test_expor
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -14,6 +15,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 from typer.testing import CliRunner
 
+from sim import files
 from sim.cli import app
 from sim.config.sizing import size_kv_cache
 from sim.errors import KvsimConfigError
@@ -328,3 +330,25 @@ def test_cli_exports_a_trace_scenario_without_its_trace() -> None:
 def test_an_empty_model_name_is_refused() -> None:
     code, out = run("export", str(CODING), "--model", "")
     assert code == 2 and "--model '': give the hub name or path" in out
+
+
+@pytest.mark.parametrize(
+    ("fmt", "name"), [("vllm-args", "serve.sh"), ("vllm-yaml", "serve.yaml"), ("triton", "repo")]
+)
+def test_an_export_that_fails_half_way_leaves_nothing_to_block_the_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, name: str
+) -> None:
+    def half_then_full(path: Path, payload: bytes) -> None:
+        path.write_bytes(payload[:5])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out = tmp_path / name
+    with monkeypatch.context() as patch:
+        patch.setattr(files, "_write_all", half_then_full)
+        code, text = run("export", str(CODING), "--format", fmt, "--out", str(out))
+    assert code == 2 and "No space left on device" in text and "Traceback" not in text
+    assert os.listdir(tmp_path) == []  # no half file or repository, no temporary
+    code, text = run("export", str(CODING), "--format", fmt, "--out", str(out))
+    assert code == 0, text
+    if fmt == "vllm-args":
+        assert os.access(out, os.X_OK)

@@ -1,17 +1,30 @@
-"""Ctrl-C while waiting on workers becomes a KeyboardInterrupt at a safe point."""
+"""Ctrl-C while waiting on workers becomes a KeyboardInterrupt at a safe point; the workers
+themselves never see it, and die with this process."""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
 
-from sim.interrupts import completed, result_of, sigint_deferred
+from sim.interrupts import (
+    completed,
+    result_of,
+    sigint_blocked,
+    sigint_deferred,
+    stop_pool,
+    submit,
+    worker_pool,
+)
+from tests.dashboard.test_launch import default_sigint as terminal_sigint
 
 GIVE_UP_S = 30.0  # a Ctrl-C that has not arrived by then never will: fail, do not hang
 
@@ -140,3 +153,112 @@ def test_outside_the_main_thread_the_handler_is_left_alone() -> None:
     thread.start()
     thread.join()
     assert seen == [signal.default_int_handler, False]
+
+
+def blocked_signals() -> set[int]:
+    """The signals blocked in the calling thread (run in a worker process)."""
+    return set(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+def nap(seconds: float) -> float:
+    time.sleep(seconds)
+    return seconds
+
+
+@pytest.mark.usefixtures("default_sigint")
+def test_workers_start_with_ctrl_c_blocked_and_a_ctrl_c_meanwhile_is_not_lost() -> None:
+    """A terminal's Ctrl-C reaches the whole process group: workers still importing would
+    print tracebacks. They inherit SIGINT blocked from the submit that starts them; this
+    process gets a Ctrl-C that arrived meanwhile as soon as the submit returns."""
+    pool = worker_pool(1)
+    try:
+        assert signal.SIGINT in submit(pool, blocked_signals).result(timeout=120)
+    finally:
+        stop_pool(pool)
+    assert signal.SIGINT not in blocked_signals()
+    main = threading.main_thread().ident
+    assert main is not None
+    with pytest.raises(KeyboardInterrupt), sigint_deferred() as interrupt:
+        with sigint_blocked():
+            signal.pthread_kill(main, signal.SIGINT)
+            time.sleep(0.05)
+            assert not interrupt.requested  # held, not lost
+        time.sleep(0.05)
+        assert interrupt.requested
+    assert signal.SIGINT not in blocked_signals()
+
+
+def test_stop_pool_terminates_a_running_task_at_once() -> None:
+    pool = worker_pool(1)
+    future = submit(pool, nap, 60.0)
+    deadline = time.monotonic() + 120
+    while future.running() is False and time.monotonic() < deadline:
+        time.sleep(0.05)
+    processes = list(pool._processes.values())
+    stop_pool(pool)  # the task naps for a minute: waiting for it would leave it alive here
+    assert processes and not any(p.is_alive() for p in processes)
+
+
+def test_a_worker_whose_parent_is_already_gone_exits() -> None:
+    code = "from sim.interrupts import die_with_parent; die_with_parent({}); print('alive')"
+    here = subprocess.run(
+        [sys.executable, "-c", code.format(os.getpid())], capture_output=True, text=True
+    )
+    assert (here.returncode, here.stdout.strip()) == (0, "alive")
+    orphan = subprocess.run(
+        [sys.executable, "-c", code.format(dead_pid())], capture_output=True, text=True
+    )
+    assert (orphan.returncode, orphan.stdout) == (1, "")
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def start_kvsim(*args: str) -> subprocess.Popen[str]:
+    """``kvsim ARGS`` in its own process group (a terminal's Ctrl-C reaches all of it), with
+    Python's own Ctrl-C handler, from the checkout; output and errors in one pipe."""
+    return subprocess.Popen(
+        [sys.executable, "-c", "from sim.cli import app; app()", *args],
+        start_new_session=True,
+        preexec_fn=terminal_sigint,
+        cwd=Path(__file__).parents[2],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def worker_pids(parent: int) -> list[int]:
+    """The spawned worker processes of ``parent`` (not its resource tracker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return pids
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie nobody reaps does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def wait_gone(pids: list[int], within_s: float = 30.0) -> list[int]:
+    """The pids still running after ``within_s``."""
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in pids if alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left

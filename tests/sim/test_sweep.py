@@ -3,8 +3,10 @@ one results table; bad grids are one clear error."""
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -15,9 +17,11 @@ import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
+from sim import files
+from sim import sweep as sweep_module
 from sim.cli import app
 from sim.errors import KvsimConfigError
-from sim.runner import simulate
+from sim.runner import SimulationResult, simulate
 from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.sweep import (
     POINTS_DIR,
@@ -25,11 +29,14 @@ from sim.sweep import (
     SWEEP_FILE,
     parse_grid,
     plan_sweep,
+    ray_failure,
+    run_point,
     run_sweep,
     sweep_lock,
     unfinished_points,
+    write_results,
 )
-from tests.dashboard.test_launch import default_sigint
+from tests.sim.test_interrupts import start_kvsim, wait_gone, worker_pids
 
 runner = CliRunner()
 SCENARIO = SCENARIO_DIR / "agent-burst.yaml"
@@ -147,21 +154,12 @@ LONG_GRID = ["engine.max_num_seqs=8,16,24,32", "engine.max_num_batched_tokens=10
 
 def start_sweep(out: Path, workers: int) -> subprocess.Popen[str]:
     """``kvsim sweep`` of 8 points (a few seconds each) in its own process group."""
-    cmd = [sys.executable, "-c", "from sim.cli import app; app()", "sweep", str(SCENARIO)]
-    cmd += ["--out", str(out), "--quiet", "--workers", str(workers)]
+    args = ["sweep", str(SCENARIO), "--out", str(out), "--quiet", "--workers", str(workers)]
     for grid in LONG_GRID:
-        cmd += ["--grid", grid]
+        args += ["--grid", grid]
     for assignment in ("workload.sessions=20", "workload.turns.value=3"):
-        cmd += ["--set", assignment]
-    return subprocess.Popen(
-        cmd,
-        start_new_session=True,
-        preexec_fn=default_sigint,
-        cwd=Path(__file__).parents[2],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+        args += ["--set", assignment]
+    return start_kvsim(*args)
 
 
 def wait_for(path: Path, proc: subprocess.Popen[str]) -> None:
@@ -341,3 +339,119 @@ def test_a_point_whose_cut_run_left_requests_unsent_is_unfinished() -> None:
     assert list(unfinished_points(table.drop(columns="num_not_arrived"))) == [
         False, True, False, False,
     ]  # fmt: skip
+
+
+def file_too_large(*args: object, **kwargs: object) -> None:
+    raise OSError(errno.EFBIG, "File too large", "steps.parquet")
+
+
+def test_a_point_that_cannot_be_written_is_no_result_of_the_point(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sweep"
+    plan = plan_sweep(SCENARIO, ["engine.max_num_seqs=8"], SMALL, out)
+    monkeypatch.setattr(SimulationResult, "write", file_too_large)
+    with pytest.raises(OSError, match="File too large"):
+        run_point(plan.scenario, plan.sets, plan.points[0], plan.out)
+    assert os.listdir(out / POINTS_DIR) == []  # no error file, no leftover: still pending
+    assert [p.id for p in plan.pending()] == ["p0000"]
+
+
+def limit_file_size() -> None:
+    """In the child: files of at most 4 KiB (``ulimit -f``): sweep.json fits, a run does not."""
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
+
+
+def test_a_sweep_that_cannot_write_a_point_stops_and_resumes_it(tmp_path: Path) -> None:
+    out = tmp_path / "sweep"
+    args = one_grid_args(out, "engine.max_num_seqs=8,16")
+    limited = subprocess.run(
+        [sys.executable, "-c", "from sim.cli import app; app()", *args],
+        preexec_fn=limit_file_size,
+        cwd=Path(__file__).parents[2],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    text = " ".join((limited.stdout + limited.stderr).split())
+    assert limited.returncode == 2, text
+    assert f"cannot write the sweep in {out}: [Errno 27] File too large" in text
+    assert "run the same command again to resume" in text and "Traceback" not in text
+    assert os.listdir(out / POINTS_DIR) == []  # recorded as nothing: both points pending
+    assert not [n for n in os.listdir(out) if n.endswith(".tmp")]
+    code, text = run(*args)  # the same command, room made: it resumes
+    assert code == 0 and "2 of 2 points ran" in text, text
+
+
+def test_a_table_that_cannot_be_written_leaves_no_temporary_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sweep"
+    plan = plan_sweep(SCENARIO, ["engine.max_num_seqs=8"], SMALL, out)
+
+    def half_written(self: pd.DataFrame, path: Path, **kwargs: object) -> None:
+        Path(path).write_bytes(b"PAR1")
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(pd.DataFrame, "to_parquet", half_written)
+    with pytest.raises(OSError, match="File too large"):
+        write_results(plan)
+    assert sorted(os.listdir(out)) == [POINTS_DIR, SWEEP_FILE]
+    (out / f".{RESULTS_FILE}.999.tmp").write_bytes(b"PAR1")  # a killed sweep's
+    (out / POINTS_DIR / ".p0000.error.json.999-0.tmp").write_text("{")
+    sweep_module._remove_leftovers(out)
+    assert sorted(os.listdir(out)) == [POINTS_DIR, SWEEP_FILE]
+    assert os.listdir(out / POINTS_DIR) == []
+
+
+class FakeRayTaskError(Exception):
+    """What ``ray.get`` raises for a task that raised: the task's exception as ``cause``."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(f"ray::run_point() failed\nTraceback ...\n{cause}")
+        self.cause = cause
+
+
+def test_a_ray_task_that_cannot_write_or_whose_worker_died_stops_the_sweep(
+    tmp_path: Path,
+) -> None:
+    full = OSError(errno.ENOSPC, "No space left on device")
+    assert ray_failure(FakeRayTaskError(full), tmp_path) is full
+    memory = MemoryError()
+    assert ray_failure(FakeRayTaskError(memory), tmp_path) is memory
+    died = ray_failure(RuntimeError("The worker died unexpectedly\nmore"), tmp_path)
+    assert isinstance(died, KvsimConfigError)
+    assert str(died) == (
+        f"a Ray task failed (The worker died unexpectedly); the finished points are kept in "
+        f"{tmp_path}: re-run the same command to resume"
+    )
+
+
+def test_ctrl_c_while_the_workers_start_prints_no_traceback(tmp_path: Path) -> None:
+    """A terminal's Ctrl-C reaches the workers too; those still importing must not print
+    tracebacks (they start with SIGINT blocked; the sweep terminates them)."""
+    out = tmp_path / "sweep"
+    proc = start_sweep(out, workers=2)
+    deadline = time.monotonic() + 120
+    while len(workers := worker_pids(proc.pid)) < 2:
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0]
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGINT)
+    output, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, output
+    assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+    assert "run the same command again to finish the rest" in " ".join(output.split())
+    assert wait_gone(workers, 10.0) == []
+
+
+def test_a_sweep_json_that_cannot_be_written_leaves_no_folder_to_refuse_the_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "sweep"
+    with monkeypatch.context() as patch:
+        patch.setattr(files, "_write_all", file_too_large)
+        code, text = run(*one_grid_args(out, "engine.max_num_seqs=8"))
+    assert code == 2 and f"cannot write the sweep in {out}" in text, text
+    assert not out.exists()
+    plan_sweep(SCENARIO, ["engine.max_num_seqs=8"], SMALL, out)  # the rerun starts it
+    assert (out / SWEEP_FILE).is_file()

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 from typer.testing import CliRunner
 
+from sim import files
 from sim.cli import app
 from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario, parse_scenario
@@ -383,3 +386,41 @@ def test_a_search_for_export_leaves_out_configs_vllm_could_not_start() -> None:
     assert ran and all(t.params["block_size"] == 16 for t in ran)
     refused = [t for t in export.trials if t.params["block_size"] > 16]
     assert refused and all("num_gpu_blocks_override=20000" in (t.error or "") for t in refused)
+
+
+def small_tune(*args: str) -> Any:
+    """``kvsim tune`` of 12 two-turn agent sessions, 2 trials, and ``args``."""
+    base = ["tune", str(BURST), "--budget", "2", "--slo", "ttft_p99_s=5"]
+    for assignment in SMALL:
+        base += ["--set", assignment]
+    return runner.invoke(app, [*base, *args])
+
+
+def test_an_out_nothing_can_be_written_in_is_refused_before_the_search() -> None:
+    """A real write, not os.access (which says yes to root, under /proc too)."""
+    result = small_tune("--out", "/proc/kvsim-tune")
+    assert result.exit_code == 2, result.output
+    assert "--out /proc/kvsim-tune: /proc is not a writable folder" in " ".join(
+        result.output.split()
+    )
+    assert "trial" not in result.output
+
+
+def test_a_tune_json_that_cannot_be_written_leaves_nothing_to_block_the_rerun(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def half_then_too_large(path: Path, payload: bytes) -> None:
+        path.write_bytes(payload[:10])
+        raise OSError(errno.EFBIG, "File too large")
+
+    out = tmp_path / "tune"
+    with monkeypatch.context() as patch:
+        patch.setattr(files, "_write_all", half_then_too_large)
+        result = small_tune("--out", str(out))
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"the search finished, but tune.json could not be written to {out}" in text
+    assert os.listdir(tmp_path) == []  # no folder, no half tune.json, no temporary
+    result = small_tune("--out", str(out))
+    assert result.exit_code == 0, result.output
+    assert len(json.loads((out / "tune.json").read_text())["trials"]) == 2

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -28,6 +32,7 @@ from sim.uncertainty import (
     truncation_warning,
 )
 from tests.profiles import profile_with
+from tests.sim.test_interrupts import alive, start_kvsim, wait_gone, worker_pids
 
 FITTED = CostParams(
     mode="additive",
@@ -192,7 +197,7 @@ def test_samples_run_in_this_process_when_workers_cannot_start(
     def no_pool(*args: object, **kwargs: object) -> None:
         raise OSError("[Errno 38] Function not implemented: sem_open")
 
-    monkeypatch.setattr(uncertainty, "ProcessPoolExecutor", no_pool)
+    monkeypatch.setattr(uncertainty, "worker_pool", no_pool)
     told: list[str] = []
     assert run_samples(spec, PROFILE, 2, workers=2, on_serial=told.append) == expected
     (why,) = told  # said once, not silently N times slower
@@ -211,3 +216,51 @@ def test_a_sample_cut_at_the_time_limit_is_flagged() -> None:
     # A metric a sample lacks: no band, and the sample's value stays in its place.
     assert record["metrics"][0]["samples"] == [None, None]
     assert record["metrics"][0]["low"] is None
+
+
+def start_samples(tmp_path: Path) -> tuple[subprocess.Popen[str], list[int]]:
+    """``kvsim run --samples 2`` in its own process group, once its 2 workers are started
+    (still importing, most likely); returns the process and the workers' pids."""
+    profile = tmp_path / "profile.json"
+    save_profile(PROFILE, profile)
+    proc = start_kvsim(
+        *("run", str(SCENARIO), "--set", "workload.sessions=200", "--quiet"),
+        *("--calibration", str(profile), "--samples", "2", "--out", str(tmp_path / "run")),
+    )
+    deadline = time.monotonic() + 120
+    while len(workers := worker_pids(proc.pid)) < 2:
+        if proc.poll() is not None or time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail(f"no workers started: {proc.communicate()[0]}")
+        time.sleep(0.02)
+    return proc, workers
+
+
+def test_sigterm_to_kvsim_run_samples_leaves_no_worker(tmp_path: Path) -> None:
+    proc, workers = start_samples(tmp_path)
+    try:
+        proc.send_signal(signal.SIGTERM)  # to the main process alone (a CI timeout, kill)
+        proc.communicate(timeout=60)
+        assert wait_gone(workers) == [], "workers outlived kvsim run"
+    finally:
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_while_the_workers_start_stops_at_once_without_a_traceback(
+    tmp_path: Path,
+) -> None:
+    proc, workers = start_samples(tmp_path)
+    try:
+        os.killpg(proc.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+        output, _ = proc.communicate(timeout=60)
+        assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
+        assert proc.returncode == 130, output  # Typer's exit for Ctrl-C
+        assert wait_gone(workers, 10.0) == []
+        assert not (tmp_path / "run").exists()  # the claim is released
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL) if proc.poll() is None else None
+        for pid in workers:
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)

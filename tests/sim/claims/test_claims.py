@@ -191,7 +191,7 @@ def test_the_report_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert paged["effective_utilization"] > static["effective_utilization"]
     assert "what_if" in raw["runs"]["pressure/swap"]["summary"]
     assert "what_if" not in raw["runs"]["pressure/vllm"]["summary"]
-    assert not out.with_name("claims.partial").exists()
+    assert [p.name for p in out.parent.iterdir()] == [out.name]  # nothing staged is left
 
 
 def test_bad_invocations_fail_before_simulating(tmp_path: Path) -> None:
@@ -270,3 +270,22 @@ def test_results_come_back_in_task_order_whatever_order_workers_finish(
     results = study_module._run_tasks(TINY, tasks, 2, lambda task, _: seen.append(task.key))
     assert seen == ["c", "b", "a"]
     assert list(results) == [("utilization", "a"), ("utilization", "b"), ("utilization", "c")]
+
+
+def test_a_report_that_cannot_be_written_says_so_after_the_study(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(render, "check_png_export", lambda: None)
+    monkeypatch.setattr(study_module, "run_study", lambda *args: tiny_study())
+    out = tmp_path / "claims"
+
+    def full_disk(figure: object, path: Path) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(render, "write_png", full_disk)
+    result = runner.invoke(app, ["report", "claims", "--scenario", str(TINY), "--out", str(out)])
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert f"the study finished, but the report could not be written to {out}: " in text
+    assert "Traceback" not in text
+    assert list(tmp_path.iterdir()) == []  # the report's hidden folder is gone too

@@ -1,0 +1,130 @@
+"""Writing output files so that a failure never leaves a half-written one in place.
+
+kvsim never overwrites an output, so a truncated file (a full disk, a file size limit, an
+interrupted write) would block the rerun that should replace it. Every single-file output
+goes through :func:`write_atomic` (or :func:`atomic_path` for a library that writes a path
+itself, such as ``DataFrame.to_parquet``): the bytes go to a hidden temporary file in the
+same folder, renamed onto the target only once complete (``os.replace``, atomic on one
+filesystem), and removed on any error. A new folder of outputs (``capacity.json``, a Triton
+model repository) is written by :func:`write_new_folder` into a hidden sibling, renamed into
+place once complete. :func:`probe_folder` checks with a real write, before a long search,
+that its output can be written at all (``os.access`` says yes to root everywhere).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import shutil
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+NAME_MAX = 255  # bytes in one file name (ext4, xfs, btrfs, NFS)
+_SEQUENCE = itertools.count()  # temporary names unique within this process, across threads
+
+
+def hidden_name(name: str, suffix: str) -> str:
+    """``.<name><suffix>``, a hidden sibling's name; where that would exceed
+    :data:`NAME_MAX` bytes, ``name`` is cut and a digest of it added (``.<cut>~<digest>``),
+    so a long but valid output name never fails on its hidden sibling."""
+    whole = f".{name}{suffix}"
+    if len(whole.encode()) <= NAME_MAX:
+        return whole
+    digest = "~" + hashlib.sha256(name.encode()).hexdigest()[:12]
+    room = NAME_MAX - len(f".{digest}{suffix}".encode())
+    cut = name.encode()[: max(room, 0)].decode(errors="ignore")
+    return f".{cut}{digest}{suffix}"
+
+
+def _temp_beside(path: Path) -> Path:
+    """Create, exclusively, a new empty hidden file in ``path``'s folder and return it (with
+    the permissions an ordinary new file gets)."""
+    while True:
+        tmp = path.with_name(hidden_name(path.name, f".{os.getpid()}-{next(_SEQUENCE)}.tmp"))
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+        except FileExistsError:  # a leftover of a killed process that had this pid
+            continue
+        return tmp
+
+
+def _remove(path: Path) -> None:
+    with suppress(OSError):
+        path.unlink()
+
+
+@contextmanager
+def atomic_path(path: str | Path, executable: bool = False) -> Iterator[Path]:
+    """A hidden temporary path beside ``path`` to write, renamed onto ``path`` when the
+    block ends without an error and removed when it raises (anything, Ctrl-C included).
+    ``executable`` adds the execute bits (a script) before the rename."""
+    path = Path(path)
+    tmp = _temp_beside(path)
+    try:
+        yield tmp
+        if executable:
+            os.chmod(tmp, tmp.stat().st_mode | 0o111)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
+def write_atomic(path: str | Path, data: str | bytes, executable: bool = False) -> Path:
+    """Write ``data`` (text as UTF-8, or bytes) to ``path`` atomically: the file is either
+    complete or as it was, and no temporary file is left behind. Returns ``path``."""
+    path = Path(path)
+    payload = data.encode() if isinstance(data, str) else data
+    with atomic_path(path, executable) as tmp:
+        _write_all(tmp, payload)
+    return path
+
+
+def _write_all(path: Path, payload: bytes) -> None:
+    with path.open("wb") as handle:
+        handle.write(payload)
+
+
+def write_new_folder(
+    folder: str | Path,
+    files: Mapping[str, str | bytes],
+    extra: Callable[[Path], None] | None = None,
+) -> list[Path]:
+    """Create the new folder ``folder`` holding ``files`` (path relative to the folder ->
+    content; ``a/b.txt`` creates ``a``), written into a hidden sibling and renamed into place
+    once complete; a failure leaves neither. ``extra(tmp)`` may adjust the files before the
+    rename. Raises FileExistsError if ``folder`` exists. Returns the files' final paths."""
+    folder = Path(folder)
+    if folder.exists():
+        raise FileExistsError(f"{folder}: already exists; kvsim never overwrites")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = folder.with_name(hidden_name(folder.name, f".{os.getpid()}-{next(_SEQUENCE)}.tmp"))
+    try:
+        tmp.mkdir()
+        for relative, content in files.items():
+            target = tmp / relative
+            target.parent.mkdir(parents=True, exist_ok=True)
+            _write_all(target, content.encode() if isinstance(content, str) else content)
+        if extra is not None:
+            extra(tmp)
+        os.rename(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return [folder / relative for relative in files]
+
+
+def probe_folder(folder: str | Path) -> None:
+    """Create ``folder`` (and its parents) if missing, then create and remove a hidden file
+    in it: OSError (or ValueError, for a path with a NUL byte) when that cannot be done."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    _remove(_temp_beside(folder / "kvsim-probe"))
+
+
+def reason(exc: BaseException) -> str:
+    """An OSError's cause without its errno prefix (``File too large``), else its text."""
+    strerror = getattr(exc, "strerror", None)
+    return strerror or str(exc) or type(exc).__name__

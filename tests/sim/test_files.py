@@ -1,0 +1,120 @@
+"""sim.files: outputs appear whole or not at all, and no temporary file is left behind."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from sim import files
+from sim.files import (
+    NAME_MAX,
+    atomic_path,
+    hidden_name,
+    probe_folder,
+    write_atomic,
+    write_new_folder,
+)
+
+
+def half_then_fail(path: Path, payload: bytes) -> None:
+    """A write that stops half way, as under a file size limit."""
+    with path.open("wb") as handle:
+        handle.write(payload[: len(payload) // 2])
+    raise OSError(errno.EFBIG, "File too large")
+
+
+def test_text_and_bytes_are_written_whole_with_no_temporary_left(tmp_path: Path) -> None:
+    text = write_atomic(tmp_path / "a.json", '{"é": 1}\n')
+    assert text.read_text() == '{"é": 1}\n'
+    blob = write_atomic(tmp_path / "b.bin", b"\x00\x01")
+    assert blob.read_bytes() == b"\x00\x01"
+    assert sorted(os.listdir(tmp_path)) == ["a.json", "b.bin"]
+    mode = stat.S_IMODE(text.stat().st_mode)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mode == 0o666 & ~umask  # an ordinary new file's permissions, not mkstemp's 0600
+    script = write_atomic(tmp_path / "serve.sh", "#!/bin/sh\n", executable=True)
+    assert os.access(script, os.X_OK)
+
+
+def test_a_failed_write_leaves_the_target_as_it_was_and_no_temporary(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(files, "_write_all", half_then_fail)
+    with pytest.raises(OSError, match="File too large"):
+        write_atomic(tmp_path / "new.json", "x" * 100)
+    old = tmp_path / "old.json"
+    old.write_text("before")
+    with pytest.raises(OSError, match="File too large"):
+        write_atomic(old, "after")
+    assert old.read_text() == "before"
+    assert sorted(os.listdir(tmp_path)) == ["old.json"]
+
+
+def test_a_writer_that_fails_or_is_interrupted_leaves_no_temporary(tmp_path: Path) -> None:
+    for error in (OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()):
+        with pytest.raises(type(error)), atomic_path(tmp_path / "t.parquet") as tmp:
+            tmp.write_bytes(b"half")
+            raise error
+    assert os.listdir(tmp_path) == []
+    with atomic_path(tmp_path / "t.parquet") as tmp:
+        assert tmp.parent == tmp_path and tmp.name.startswith(".t.parquet.")
+        tmp.write_bytes(b"whole")
+    assert os.listdir(tmp_path) == ["t.parquet"]
+
+
+def test_a_new_folder_appears_complete_or_not_at_all(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "deep" / "repo"
+    written = write_new_folder(out, {"m/config.pbtxt": "a", "m/1/model.json": b"{}"})
+    assert written == [out / "m" / "config.pbtxt", out / "m" / "1" / "model.json"]
+    assert (out / "m" / "1" / "model.json").read_bytes() == b"{}"
+    with pytest.raises(FileExistsError, match="never overwrites"):
+        write_new_folder(out, {"x": "y"})
+    monkeypatch.setattr(files, "_write_all", half_then_fail)
+    with pytest.raises(OSError, match="File too large"):
+        write_new_folder(tmp_path / "cap", {"capacity.json": "{}" * 50})
+    assert sorted(os.listdir(tmp_path)) == ["deep"]  # no folder, no hidden leftover
+
+
+def test_a_long_name_gets_a_hidden_sibling_that_fits(tmp_path: Path) -> None:
+    assert hidden_name("run", ".partial-12") == ".run.partial-12"
+    long = "é" * 124 + "x"  # 249 bytes: a valid name, its hidden sibling would not be
+    sibling = hidden_name(long, ".partial-4194304@0123abcd")
+    assert len(sibling.encode()) <= NAME_MAX
+    assert sibling.startswith(".é") and sibling.endswith(".partial-4194304@0123abcd")
+    assert hidden_name(long[:-1] + "y", ".t") != hidden_name(long, ".t")  # a digest tells
+    write_atomic(tmp_path / long, "ok")
+    assert os.listdir(tmp_path) == [long]
+
+
+def test_probe_creates_the_folder_and_leaves_nothing(tmp_path: Path) -> None:
+    probe_folder(tmp_path / "a" / "b")
+    assert os.listdir(tmp_path / "a" / "b") == []
+    with pytest.raises(OSError):
+        probe_folder("/proc/kvsim-probe")  # access() says yes to root here
+    (tmp_path / "file").write_text("")
+    with pytest.raises(OSError):
+        probe_folder(tmp_path / "file")
+
+
+def test_a_profile_that_cannot_be_saved_leaves_no_truncated_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from sim.config.calibration import load_profile, save_profile
+    from sim.cost_model import CostParams
+    from tests.profiles import profile_with
+
+    profile = profile_with(CostParams(mode="additive"))
+    monkeypatch.setattr(files, "_write_all", half_then_fail)
+    with pytest.raises(OSError, match="File too large"):
+        save_profile(profile, tmp_path / "profile.json")
+    assert os.listdir(tmp_path) == []
+    monkeypatch.undo()
+    save_profile(profile, tmp_path / "profile.json")
+    assert load_profile(tmp_path / "profile.json") == profile
