@@ -13,6 +13,7 @@ that its output can be written at all (``os.access`` says yes to root everywhere
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import itertools
 import os
@@ -59,8 +60,10 @@ def _remove(path: Path) -> None:
 def atomic_path(path: str | Path, executable: bool = False) -> Iterator[Path]:
     """A hidden temporary path beside ``path`` to write, renamed onto ``path`` when the
     block ends without an error and removed when it raises (anything, Ctrl-C included).
-    ``executable`` adds the execute bits (a script) before the rename."""
+    ``executable`` adds the execute bits (a script) before the rename. A missing folder of
+    ``path`` is created (:func:`probe_folder` checked it could be, creating nothing)."""
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _temp_beside(path)
     try:
         yield tmp
@@ -117,11 +120,17 @@ def write_new_folder(
 
 
 def probe_folder(folder: str | Path) -> None:
-    """Create ``folder`` (and its parents) if missing, then create and remove a hidden file
-    in it: OSError (or ValueError, for a path with a NUL byte) when that cannot be done."""
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    _remove(_temp_beside(folder / "kvsim-probe"))
+    """Check that files can be made in ``folder`` or, where it does not exist yet, in its
+    nearest existing ancestor (where it would be created): create and remove a hidden file
+    there. Creates no folder (a check before a long search must leave nothing behind, nor a
+    folder that the search's own output then finds in its way). OSError (or ValueError,
+    for a path with a NUL byte) when that cannot be done."""
+    existing = Path(folder)
+    while not existing.exists() and existing.parent != existing:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(existing))
+    _remove(_temp_beside(existing / "kvsim-probe"))
 
 
 def reason(exc: BaseException) -> str:

@@ -108,7 +108,10 @@ def result_of(future: Future[T], interrupt: Interrupt) -> T:
 
 def die_with_parent(parent: int | None = None) -> None:
     """Worker initializer: on Linux the kernel kills this worker when the process that
-    started it (pid ``parent``) dies, so a killed parent leaves no worker behind."""
+    started it (pid ``parent``) dies, so a killed parent leaves no worker behind. The
+    kernel's "parent" is the *thread* that started the worker (PR_SET_PDEATHSIG): a pool
+    must be used and ended by the thread that submits to it first (every pool here lives
+    inside one call), or its workers die with that thread."""
     try:
         ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
     except (OSError, AttributeError):  # not Linux

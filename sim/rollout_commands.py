@@ -87,8 +87,9 @@ def check_export_options(
 
 def check_parent(path: Path | None, option: str) -> None:
     """The folder ``path`` goes in can be written, checked before a long search with a real
-    write (``os.access`` says yes to root, even under ``/proc``): the folder is created if
-    missing (as a run's is), and a hidden file created in it and removed."""
+    write (``os.access`` says yes to root, even under ``/proc``): a hidden file created and
+    removed in it, or in its nearest existing ancestor when it is still to be created (the
+    check creates no folder: ``--export-out`` may go inside ``--out``)."""
     if path is None:
         return
     try:
@@ -248,7 +249,9 @@ def sweep(
     except MemoryError:
         raise fail(
             f"out of memory running the sweep in {out}; the finished points are kept and the "
-            "rest stay pending: run the same command again, with fewer --workers, to resume"
+            "rest stay pending: run the same command again, with fewer --workers, to resume "
+            "(a point that runs out of memory with --workers 1 needs more than this machine "
+            "has: leave its value out of the grid)"
         ) from None
     ok = table["status"] == "ok"
     ran, failed = int(ok.sum()), int((table["status"] == "failed").sum())

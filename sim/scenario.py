@@ -333,20 +333,25 @@ def check_runnable(scenario: Scenario, source: str | None = None) -> KVSizing:
 
 def _check_first_turn_fits(workload: AgentSessionsWorkload, max_model_len: int, where: str) -> None:
     """Refuse sessions that could never send a turn: the shared prefix, the shortest user
-    message and the shortest output past the context cap (a fan-out turn's sub-calls draw
-    their own lengths: only the prefix and one token each are checked then)."""
+    message and the shortest turn past the context cap (a plain turn's output, or a fan-out
+    turn's shortest sub-call: task and output, whichever the workload may draw)."""
     shared = workload.system_prompt_tokens + workload.tool_schema_tokens
     cap = min(max_model_len, workload.max_context_tokens or max_model_len)
-    plain_turns = workload.fanout is None or workload.fanout.probability < 1
-    message = shortest(workload.user_message_tokens) if plain_turns else 1
-    output = shortest(workload.output_tokens) if plain_turns else 1
-    if shared + message + output > cap:
-        fields = "system_prompt_tokens + tool_schema_tokens" + (
-            " + the shortest user_message_tokens + output_tokens" if plain_turns else " + 2"
-        )
+    message = shortest(workload.user_message_tokens)
+    fanout = workload.fanout
+    turns: dict[str, int] = {}  # what a first turn may add past the message, by kind
+    if fanout is None or fanout.probability < 1:
+        turns["output_tokens"] = shortest(workload.output_tokens)
+    if fanout is not None and fanout.probability > 0:
+        turns["fanout.task_tokens + fanout.output_tokens"] = shortest(
+            fanout.task_tokens
+        ) + shortest(fanout.output_tokens)
+    name, least = min(turns.items(), key=lambda item: item[1])
+    if shared + message + least > cap:
         raise KvsimConfigError(
-            f"{where}: workload.{fields} = {shared} + {message} + {output} = "
-            f"{shared + message + output:,} tokens do not fit the context cap of {cap:,} "
+            f"{where}: workload.system_prompt_tokens + tool_schema_tokens + the shortest "
+            f"user_message_tokens + {name} = {shared:,} + {message:,} + {least:,} = "
+            f"{shared + message + least:,} tokens do not fit the context cap of {cap:,} "
             f"(engine.max_model_len={max_model_len}"
             + (
                 f", workload.max_context_tokens={workload.max_context_tokens}"

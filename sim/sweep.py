@@ -214,12 +214,11 @@ def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) ->
     worker process: the run directory is written aside and renamed into place complete.
 
     Only the point's own failure (its scenario, its simulation) is its result. An OSError
-    (the run or its error file could not be written) or a MemoryError is raised, leaving the
-    point pending: it says nothing about the point, and a resumed sweep runs it again."""
+    while writing the run or its error file, or a MemoryError (other workers may hold the
+    memory), is raised, leaving the point pending: it says nothing about the point, and a
+    resumed sweep runs it again."""
     from sim.runner import simulate
 
-    points = out / POINTS_DIR
-    tmp = points / f".tmp-{point.id}-{os.getpid()}"
     try:
         spec = load_scenario(scenario, [*sets, *point.overrides])
         check_runnable(spec, str(scenario))
@@ -228,17 +227,21 @@ def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) ->
             raise KvsimConfigError(
                 f"no request arrived before limits.max_duration_s={spec.limits.max_duration_s:g} s"
             )
-        result.write(tmp)
-        os.replace(tmp, points / point.id)
-        return None
-    except (OSError, MemoryError):
-        shutil.rmtree(tmp, ignore_errors=True)
+    except MemoryError:
         raise
     except Exception as exc:  # a failed point is recorded and the sweep goes on
-        shutil.rmtree(tmp, ignore_errors=True)
         error = str(exc) if isinstance(exc, KvsimConfigError) else f"{type(exc).__name__}: {exc}"
         _record_error(out, point, error)
         return error
+    points = out / POINTS_DIR
+    tmp = points / f".tmp-{point.id}-{os.getpid()}"
+    try:
+        result.write(tmp)
+        os.replace(tmp, points / point.id)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return None
 
 
 def _record_error(out: Path, point: Point, error: str) -> None:

@@ -103,7 +103,7 @@ def tune_cmd(
         # for export is the scenario's engine with it reset (every policy offered exports).
         exported = spec if memory_policies is None else with_engine(spec, POLICY_RESET)
         check_export_options(export_format, export_out, exported)
-        check_parent(out, "--out")  # last: it creates the folder --out goes in
+        check_parent(out, "--out")
 
         def progress(trial: object) -> None:
             t = trial  # a sim.tune.Trial

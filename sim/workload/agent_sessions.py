@@ -115,7 +115,8 @@ class AgentSessionsWorkload(KvsimModel):
 
     @model_validator(mode="after")
     def _check_turns(self) -> AgentSessionsWorkload:
-        """At most MAX_TURNS turns a session (a lognormal's draws beyond it are cut to it)."""
+        """At most MAX_TURNS turns a session: a bound beyond it is refused; draws beyond it
+        (a lognormal without ``max``, an empirical file) are cut to it in ``start``."""
         turns = self.turns
         highest = (
             turns.value

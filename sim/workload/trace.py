@@ -101,7 +101,25 @@ def load_trace(
         raise KvsimConfigError(f"trace {path}: not valid CSV ({exc})") from None
     if not records:
         raise KvsimConfigError(f"trace {path}: no rows")
+    if timestamp_unit == "s":
+        _refuse_milliseconds(records, path)
     return _from_first_row(records, path)
+
+
+# Seconds since 1970 of the year ~5000: a larger "seconds" timestamp is a Unix time in ms.
+_MAX_UNIX_S = 1e11
+
+
+def _refuse_milliseconds(records: list[TraceRecord], path: str | Path) -> None:
+    """A trace in Unix milliseconds read as seconds would replay 1,000 times too slowly
+    (its times count from its first row, so only the magnitude tells)."""
+    last = max(records, key=lambda r: r.timestamp_s)
+    if last.timestamp_s > _MAX_UNIX_S:
+        raise KvsimConfigError(
+            f"{path}:{last.line}: field 'timestamp' = {last.timestamp_s:,.0f} is no time in "
+            "seconds (a Unix time in seconds is about 1.7e9): a Unix time in milliseconds "
+            "needs timestamp_unit: ms"
+        )
 
 
 def _from_first_row(records: list[TraceRecord], path: str | Path) -> list[TraceRecord]:

@@ -144,6 +144,17 @@ def test_cli_exports_the_deployment_it_sized(tmp_path: Path) -> None:
     assert "--max-num-seqs 64" in serve.read_text()
 
 
+def test_an_export_inside_out_checks_its_folder_without_creating_it(tmp_path: Path) -> None:
+    """The up-front check of --export-out's folder must not create --out, which the search's
+    own results then find in their way."""
+    out = tmp_path / "res" / "cap"
+    result = small_capacity(
+        "--out", str(out), "--export-format", "vllm-args", "--export-out", str(out / "serve.sh")
+    )
+    assert result.exit_code == 0, result.output
+    assert sorted(p.name for p in out.iterdir()) == ["capacity.json", "serve.sh"]
+
+
 @pytest.mark.parametrize(
     ("args", "message"),
     [

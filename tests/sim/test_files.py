@@ -93,9 +93,12 @@ def test_a_long_name_gets_a_hidden_sibling_that_fits(tmp_path: Path) -> None:
     assert os.listdir(tmp_path) == [long]
 
 
-def test_probe_creates_the_folder_and_leaves_nothing(tmp_path: Path) -> None:
-    probe_folder(tmp_path / "a" / "b")
-    assert os.listdir(tmp_path / "a" / "b") == []
+def test_probe_creates_nothing_and_leaves_nothing(tmp_path: Path) -> None:
+    probe_folder(tmp_path / "a" / "b")  # checked where it would be created: tmp_path
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "a").mkdir()
+    probe_folder(tmp_path / "a")
+    assert os.listdir(tmp_path / "a") == []
     with pytest.raises(OSError):
         probe_folder("/proc/kvsim-probe")  # access() says yes to root here
     (tmp_path / "file").write_text("")

@@ -96,11 +96,30 @@ def test_sessions_cut_by_the_context_cap_are_counted_and_said() -> None:
     assert truncation_line(result.summary) is None
 
 
-def test_a_cut_run_counts_sessions_in_flight_as_alive_and_not_started_ones() -> None:
+def test_a_cut_run_counts_sessions_in_a_tool_wait_as_alive() -> None:
+    """30 sessions, a second apart, wait 30 s for each tool: all are alive at the 40 s cut,
+    most of them between turns (their last request finished)."""
     scenario = load_scenario(
-        SCENARIO_DIR / "agent-burst.yaml", ["workload.sessions=40", "limits.max_duration_s=20"]
+        SCENARIO_DIR / "agent-burst.yaml",
+        [
+            "workload.sessions=30",
+            "workload.session_arrival={kind: poisson, rate_per_s: 1.0}",
+            "workload.turns.value=3",
+            "workload.tool_latency={kind: fixed, value_s: 30}",
+            "limits.max_duration_s=40",
+        ],
     )
-    summary = simulate(scenario).summary
-    sessions = summary["sessions"]
-    assert summary["truncated_at_limit"] and sessions["ended"] < sessions["started"]
-    assert summary["metrics"]["peak_concurrent_sessions"] >= sessions["started"] - sessions["ended"]
+    result = simulate(scenario)
+    summary = result.summary
+    assert summary["truncated_at_limit"]
+    assert summary["sessions"] == {
+        "planned": 30,
+        "started": 30,
+        "ended": 0,
+        "cut_by_context": 0,
+        "turns_not_sent": 0,
+        "context_cap_tokens": 32768,
+    }
+    assert summary["metrics"]["peak_concurrent_sessions"] == 30
+    # Ended at their last finish, as before: far fewer at once.
+    assert peak_concurrent_sessions(result.requests, 40.0) < 30

@@ -441,7 +441,7 @@ def test_ctrl_c_while_the_workers_start_prints_no_traceback(tmp_path: Path) -> N
     assert proc.returncode == 130, output
     assert "Traceback" not in output and "KeyboardInterrupt" not in output, output
     assert "run the same command again to finish the rest" in " ".join(output.split())
-    assert wait_gone(workers, 10.0) == []
+    assert wait_gone(workers) == []
 
 
 def test_a_sweep_json_that_cannot_be_written_leaves_no_folder_to_refuse_the_rerun(

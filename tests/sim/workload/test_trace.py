@@ -62,8 +62,8 @@ def test_until_s_replays_a_window_of_the_scaled_trace(tmp_path):
 def test_times_count_from_the_earliest_row(tmp_path):
     """A window cut from the middle of a recording, or Unix timestamps, replays from t = 0;
     only the span is bounded (a year), with a hint at the unit."""
-    epoch_ms = 1_733_000_000_000
-    shifted = [dict(row, timestamp=row["timestamp"] + epoch_ms) for row in MOONCAKE_ROWS]
+    epoch_s = 1_733_000_000
+    shifted = [dict(row, timestamp=row["timestamp"] + epoch_s) for row in MOONCAKE_ROWS]
     path = write_jsonl(tmp_path, shifted)
     as_recorded = run_workload(make_trace(write_jsonl(tmp_path, MOONCAKE_ROWS, "zero.jsonl")))
     rebased = run_workload(make_trace(path))
@@ -77,6 +77,15 @@ def test_times_count_from_the_earliest_row(tmp_path):
         '{"timestamp": 0, "input_length": 5, "output_length": 1}\n'
         '{"timestamp": 40000000, "input_length": 5, "output_length": 1}\n'
     )
+    in_ms = [dict(row, timestamp=row["timestamp"] + 1000 * epoch_s) for row in MOONCAKE_ROWS]
+    in_ms_path = write_jsonl(tmp_path, in_ms, "ms.jsonl")
+    assert [r.timestamp_s for r in load_trace(in_ms_path, timestamp_unit="ms")] == [0, 1.5, 0.5]
+    with pytest.raises(
+        KvsimConfigError,
+        match=r"ms.jsonl:2: field 'timestamp' = 1,733,000,001,500 is no time in seconds .* a "
+        "Unix time in milliseconds needs timestamp_unit: ms",
+    ):
+        load_trace(in_ms_path)  # Unix milliseconds read as seconds
     with pytest.raises(
         KvsimConfigError,
         match=r"its rows span 40,000,000 s \(line 1 to line 2\), more than kvsim's limit of "

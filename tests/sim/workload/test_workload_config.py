@@ -89,3 +89,24 @@ def test_build_workload_returns_a_startable_workload():
     workload = build_workload(config, seed=1)
     assert workload is config
     assert len(run_workload(workload).submissions) == 3
+
+
+def test_a_first_turn_that_can_never_fit_is_refused_fan_out_included() -> None:
+    from sim.errors import KvsimConfigError
+    from sim.scenario import SCENARIO_DIR, check_runnable, load_scenario
+
+    cap = ["engine.max_model_len=4096", "workload.max_context_tokens=4096"]
+    fanout = "workload.fanout={probability: %s, width: 2, task_tokens: {kind: fixed, value: 64}, output_tokens: {kind: fixed, value: 256}}"  # noqa: E501
+    big_output = "workload.output_tokens={kind: fixed, value: 3000}"
+    path = SCENARIO_DIR / "agent-burst.yaml"  # prefix 3,500 tokens, messages >= 32
+    # A plain turn cannot fit, but a fan-out turn can: some sessions run.
+    check_runnable(load_scenario(path, [*cap, big_output, fanout % 0.5]))
+    with pytest.raises(KvsimConfigError, match=r"\+ output_tokens = 3,500 \+ 32 \+ 3,000"):
+        check_runnable(load_scenario(path, [*cap, big_output]))
+    # Every turn fans out: its sub-calls, not the plain output, must fit.
+    with pytest.raises(
+        KvsimConfigError,
+        match=r"fanout.task_tokens \+ fanout.output_tokens = 3,500 \+ 32 \+ 576 = 4,108 tokens "
+        r"do not fit the context cap of 4,096",
+    ):
+        check_runnable(load_scenario(path, [*cap, fanout.replace("256", "512") % 1.0, big_output]))
