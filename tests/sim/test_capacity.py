@@ -17,6 +17,7 @@ from sim.capacity import Knob, default_knob, find_capacity, knee, knob_for, load
 from sim.cli import app
 from sim.errors import KvsimConfigError
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
+from tests.sim.test_files import half_written
 
 runner = CliRunner()
 BURST = SCENARIO_DIR / "agent-burst.yaml"
@@ -363,13 +364,9 @@ def test_an_out_nothing_can_be_written_in_is_refused_before_the_search(tmp_path:
 def test_a_capacity_json_that_cannot_be_written_leaves_nothing_to_block_the_rerun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def half_then_full(path: Path, payload: bytes) -> None:
-        path.write_bytes(payload[:10])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     out = tmp_path / "new" / "cap"
     with monkeypatch.context() as patch:
-        patch.setattr(files, "_write_all", half_then_full)
+        patch.setattr(files, "_write_all", half_written(errno.ENOSPC))
         result = small_capacity("--out", str(out))
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())

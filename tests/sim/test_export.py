@@ -30,6 +30,7 @@ from sim.export import (
     triton_model_json,
 )
 from sim.scenario import SCENARIO_DIR, load_scenario
+from tests.sim.test_files import half_written
 
 runner = CliRunner()
 FLEET = SCENARIO_DIR / "fleet-70b-tp4-h200.yaml"
@@ -338,13 +339,9 @@ def test_an_empty_model_name_is_refused() -> None:
 def test_an_export_that_fails_half_way_leaves_nothing_to_block_the_rerun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: str, name: str
 ) -> None:
-    def half_then_full(path: Path, payload: bytes) -> None:
-        path.write_bytes(payload[:5])
-        raise OSError(errno.ENOSPC, "No space left on device")
-
     out = tmp_path / name
     with monkeypatch.context() as patch:
-        patch.setattr(files, "_write_all", half_then_full)
+        patch.setattr(files, "_write_all", half_written(errno.ENOSPC))
         code, text = run("export", str(CODING), "--format", fmt, "--out", str(out))
     assert code == 2 and "No space left on device" in text and "Traceback" not in text
     assert os.listdir(tmp_path) == []  # no half file or repository, no temporary

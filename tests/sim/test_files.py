@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,11 +21,19 @@ from sim.files import (
 )
 
 
-def half_then_fail(path: Path, payload: bytes) -> None:
-    """A write that stops half way, as under a file size limit."""
-    with path.open("wb") as handle:
-        handle.write(payload[: len(payload) // 2])
-    raise OSError(errno.EFBIG, "File too large")
+def half_written(code: int) -> Callable[[Path, bytes], None]:
+    """A stand-in for ``sim.files._write_all``: the write stops half way with OSError
+    ``code`` (EFBIG: a file size limit; ENOSPC: a full disk)."""
+
+    def write(path: Path, payload: bytes) -> None:
+        with path.open("wb") as handle:
+            handle.write(payload[: len(payload) // 2])
+        raise OSError(code, os.strerror(code))
+
+    return write
+
+
+half_then_fail = half_written(errno.EFBIG)
 
 
 def test_text_and_bytes_are_written_whole_with_no_temporary_left(tmp_path: Path) -> None:

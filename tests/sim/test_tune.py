@@ -27,6 +27,7 @@ from sim.tune import (
     trial_engine,
     tune,
 )
+from tests.sim.test_files import half_written
 
 runner = CliRunner()
 BURST = SCENARIO_DIR / "agent-burst.yaml"
@@ -409,13 +410,9 @@ def test_an_out_nothing_can_be_written_in_is_refused_before_the_search() -> None
 def test_a_tune_json_that_cannot_be_written_leaves_nothing_to_block_the_rerun(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def half_then_too_large(path: Path, payload: bytes) -> None:
-        path.write_bytes(payload[:10])
-        raise OSError(errno.EFBIG, "File too large")
-
     out = tmp_path / "tune"
     with monkeypatch.context() as patch:
-        patch.setattr(files, "_write_all", half_then_too_large)
+        patch.setattr(files, "_write_all", half_written(errno.EFBIG))
         result = small_tune("--out", str(out))
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
