@@ -16,8 +16,11 @@ prefill steps and on decode-only steps (medians over the replays), which shows w
 kind of step is priced off. Last, over all of the session's replays (calibration and
 validation apart), the first step after the engine sat idle, measured / priced, by how long
 it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus
-``idle_wakeup_log_s`` x ln(1 + idle / 10 ms), and this shows how well at every gap. No vLLM
-needed: simulations only, seconds to a minute.
+``idle_wakeup_log_s`` x ln(1 + idle / 10 ms), and this shows how well at every gap. And the
+steps with a prefill chunk (wake-ups left out), measured / priced, by how many tokens the step
+computes, per token budget: the cost model is linear in a step's tokens, and this shows where
+that is off (cells of under 20 steps are left out). No vLLM needed: simulations only, seconds
+to a minute.
 """
 
 from __future__ import annotations
@@ -26,7 +29,10 @@ import argparse
 import itertools
 import statistics
 import sys
+from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import yaml
@@ -45,17 +51,29 @@ from validate.compare import BOUNDED_METRICS
 # Idle gaps (s) the wake-up table splits the first steps after idle by.
 GAP_EDGES_S = (0.0, 0.01, 0.05, 0.2, 1.0, 5.0, float("inf"))
 
+# Tokens in a step (prefill chunks plus decodes) the prefill table splits steps by.
+TOKEN_EDGES = (1, 64, 96, 128, 160, 256, 512, 1024, 2048, 2**31)
+# A cell of the prefill table with fewer steps than this prints "-".
+MIN_CELL_STEPS = 20
+
 # The bounded latency and throughput figures (preemptions and hit rate are counts that
 # speed-matching does not address).
 METRICS = [m for m in HEADLINE_METRICS if m[0] in BOUNDED_METRICS[:4]]
 
 
+class StepRatio(NamedTuple):
+    """One non-empty measured step against its price."""
+
+    prefill: bool  # it computes a prefill chunk
+    gap_s: float | None  # seconds the engine sat idle before it; None: it followed at once
+    ratio: float  # measured / predicted time
+    tokens: int  # tokens it computes: prefill chunks plus one per decode
+
+
 def step_ratio_rows(
     run: RunData, scenario: Scenario, profile: CalibrationProfile
-) -> list[tuple[bool, float | None, float]]:
-    """Per non-empty step of a measured run: whether it computes a prefill, the seconds the
-    engine sat idle before it (None: it followed the previous step at once) and measured /
-    predicted time."""
+) -> list[StepRatio]:
+    """Every non-empty step of a measured run against the profile's price."""
     params = profile.params_for(scenario.engine.max_num_batched_tokens)
     m = MeasuredRun.of(run, scenario)
     engine = scenario.engine
@@ -65,12 +83,25 @@ def step_ratio_rows(
     for shape, duration, idle, since, idle_s in steps:
         if shape.num_tokens:
             ratio = duration / cost.step_time_s(shape, idle, since, idle_s)
-            rows.append((bool(shape.num_prefill_reqs), idle_s if idle else None, ratio))
+            prefill = bool(shape.num_prefill_reqs)
+            rows.append(StepRatio(prefill, idle_s if idle else None, ratio, shape.num_tokens))
     return rows
 
 
 def median_of(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}" if values else "-"
+
+
+def session_steps(
+    session: Path, kind: str, profile: CalibrationProfile
+) -> Iterator[tuple[Scenario, list[StepRatio]]]:
+    """Each replay of a session's ``kind`` scenarios (``cal`` or ``val``): its scenario and
+    its steps against the profile's price."""
+    for run_dir in sorted(session.glob(f"{kind}-*/real-*")):
+        if run_dir.is_dir():
+            run = load_run(run_dir)
+            scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
+            yield scenario, step_ratio_rows(run, scenario, profile)
 
 
 def wakeup_table(session: Path, profile: CalibrationProfile) -> Table:
@@ -85,21 +116,51 @@ def wakeup_table(session: Path, profile: CalibrationProfile) -> Table:
         table.add_column(f"{low:g}-{high:g} s", justify="right")
     for kind in ("cal", "val"):
         gaps, ratios = [], []
-        for run_dir in sorted(session.glob(f"{kind}-*/real-*")):
-            if not run_dir.is_dir():
-                continue
-            run = load_run(run_dir)
-            scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
-            for _prefill, gap, ratio in step_ratio_rows(run, scenario, profile):
-                if gap is not None:
-                    gaps.append(gap)
-                    ratios.append(ratio)
+        for _scenario, steps in session_steps(session, kind, profile):
+            for step in steps:
+                if step.gap_s is not None:
+                    gaps.append(step.gap_s)
+                    ratios.append(step.ratio)
         gap_array, ratio_array = np.array(gaps), np.array(ratios)
         cells = []
         for low, high in bins:
             chosen = ratio_array[(gap_array >= low) & (gap_array < high)]
             cells.append(f"{np.median(chosen):.2f} ({len(chosen)})" if len(chosen) else "-")
         table.add_row("calibration" if kind == "cal" else "validation", *cells)
+    return table
+
+
+def prefill_tokens_table(session: Path, profile: CalibrationProfile) -> Table:
+    """Steps with a prefill chunk (wake-ups after idle left out) of all the session's
+    replays, measured / priced, by how many tokens the step computes, per token budget: the
+    cost model prices a step linearly in its tokens, and this shows where that is off."""
+    table = Table(
+        title="steps with a prefill chunk, measured / priced, by the tokens the step computes "
+        f"(median, and number of steps; cells of under {MIN_CELL_STEPS} steps left out)"
+    )
+    table.add_column("replays")
+    table.add_column("budget", justify="right")
+    bins = list(itertools.pairwise(TOKEN_EDGES))
+    for low, high in bins:
+        table.add_column(
+            f"{low}-{high - 1}" if high < TOKEN_EDGES[-1] else f"{low}+", justify="right"
+        )
+    for kind in ("cal", "val"):
+        by_budget: dict[int, list[StepRatio]] = defaultdict(list)
+        for scenario, steps in session_steps(session, kind, profile):
+            by_budget[scenario.engine.max_num_batched_tokens] += [
+                s for s in steps if s.prefill and s.gap_s is None
+            ]
+        for budget, steps in sorted(by_budget.items()):
+            cells = []
+            for low, high in bins:
+                chosen = [s.ratio for s in steps if low <= s.tokens < high]
+                cells.append(
+                    f"{np.median(chosen):.2f} ({len(chosen)})"
+                    if len(chosen) >= MIN_CELL_STEPS
+                    else "-"
+                )
+            table.add_row("calibration" if kind == "cal" else "validation", str(budget), *cells)
     return table
 
 
@@ -147,8 +208,12 @@ def main() -> None:
         point = simulate(scenario, profile).summary
         matched = [simulate(scenario, profile, step_time_scale=r).summary for r in ratios]
         steps = [step_ratio_rows(r, scenario, profile) for r in reals]
-        prefill = [float(np.median([x for p, _, x in rows if p] or [np.nan])) for rows in steps]
-        decode = [float(np.median([x for p, _, x in rows if not p] or [np.nan])) for rows in steps]
+        prefill = [
+            float(np.median([s.ratio for s in rows if s.prefill] or [np.nan])) for rows in steps
+        ]
+        decode = [
+            float(np.median([s.ratio for s in rows if not s.prefill] or [np.nan])) for rows in steps
+        ]
         speed = f"{min(ratios):.2f}-{max(ratios):.2f}"
         split = f"{median_of(prefill)} / {median_of(decode)}"
         for k, (label, path, _unit) in enumerate(METRICS):
@@ -171,6 +236,7 @@ def main() -> None:
         table.add_section()
     console.print(table)
     console.print(wakeup_table(args.dir, profile))
+    console.print(prefill_tokens_table(args.dir, profile))
 
 
 if __name__ == "__main__":
