@@ -30,7 +30,6 @@ import itertools
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -92,19 +91,25 @@ def median_of(values: list[float]) -> str:
     return f"{statistics.median(values):.2f}" if values else "-"
 
 
-def session_steps(
-    session: Path, kind: str, profile: CalibrationProfile
-) -> Iterator[tuple[Scenario, list[StepRatio]]]:
-    """Each replay of a session's ``kind`` scenarios (``cal`` or ``val``): its scenario and
-    its steps against the profile's price."""
-    for run_dir in sorted(session.glob(f"{kind}-*/real-*")):
-        if run_dir.is_dir():
-            run = load_run(run_dir)
-            scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
-            yield scenario, step_ratio_rows(run, scenario, profile)
+# Per kind of replay ("cal", "val"): each replay's scenario and its steps against the price.
+SessionSteps = dict[str, list[tuple[Scenario, list[StepRatio]]]]
 
 
-def wakeup_table(session: Path, profile: CalibrationProfile) -> Table:
+def session_steps(session: Path, profile: CalibrationProfile) -> SessionSteps:
+    """Every replay of a session, calibration and validation apart, priced once for the
+    tables that read them."""
+    steps: SessionSteps = {}
+    for kind in ("cal", "val"):
+        steps[kind] = []
+        for run_dir in sorted(session.glob(f"{kind}-*/real-*")):
+            if run_dir.is_dir():
+                run = load_run(run_dir)
+                scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
+                steps[kind].append((scenario, step_ratio_rows(run, scenario, profile)))
+    return steps
+
+
+def wakeup_table(session: SessionSteps) -> Table:
     """The first steps after idle of all the session's replays, by idle gap."""
     table = Table(
         title="first step after idle, measured / priced, by the idle gap before it "
@@ -114,9 +119,9 @@ def wakeup_table(session: Path, profile: CalibrationProfile) -> Table:
     bins = list(itertools.pairwise(GAP_EDGES_S))
     for low, high in bins:
         table.add_column(f"{low:g}-{high:g} s", justify="right")
-    for kind in ("cal", "val"):
+    for kind, replays in session.items():
         gaps, ratios = [], []
-        for _scenario, steps in session_steps(session, kind, profile):
+        for _scenario, steps in replays:
             for step in steps:
                 if step.gap_s is not None:
                     gaps.append(step.gap_s)
@@ -130,7 +135,7 @@ def wakeup_table(session: Path, profile: CalibrationProfile) -> Table:
     return table
 
 
-def prefill_tokens_table(session: Path, profile: CalibrationProfile) -> Table:
+def prefill_tokens_table(session: SessionSteps) -> Table:
     """Steps with a prefill chunk (wake-ups after idle left out) of all the session's
     replays, measured / priced, by how many tokens the step computes, per token budget: the
     cost model prices a step linearly in its tokens, and this shows where that is off."""
@@ -145,9 +150,9 @@ def prefill_tokens_table(session: Path, profile: CalibrationProfile) -> Table:
         table.add_column(
             f"{low}-{high - 1}" if high < TOKEN_EDGES[-1] else f"{low}+", justify="right"
         )
-    for kind in ("cal", "val"):
+    for kind, replays in session.items():
         by_budget: dict[int, list[StepRatio]] = defaultdict(list)
-        for scenario, steps in session_steps(session, kind, profile):
+        for scenario, steps in replays:
             by_budget[scenario.engine.max_num_batched_tokens] += [
                 s for s in steps if s.prefill and s.gap_s is None
             ]
@@ -235,8 +240,9 @@ def main() -> None:
             )
         table.add_section()
     console.print(table)
-    console.print(wakeup_table(args.dir, profile))
-    console.print(prefill_tokens_table(args.dir, profile))
+    session = session_steps(args.dir, profile)
+    console.print(wakeup_table(session))
+    console.print(prefill_tokens_table(session))
 
 
 if __name__ == "__main__":
