@@ -78,10 +78,10 @@ def step_ratio_rows(
     engine = scenario.engine
     cost = CostModel(scenario.model, scenario.hardware, engine.tensor_parallel_size, params)
     rows = []
-    steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, m.idle_s, strict=True)
-    for shape, duration, idle, since, idle_s in steps:
+    for step, duration in zip(m.steps(), m.durations_s, strict=True):
+        shape, idle, _, idle_s, _ = step
         if shape.num_tokens:
-            ratio = duration / cost.step_time_s(shape, idle, since, idle_s)
+            ratio = duration / cost.step_time_s(*step)
             prefill = bool(shape.num_prefill_reqs)
             rows.append(StepRatio(prefill, idle_s if idle else None, ratio, shape.num_tokens))
     return rows

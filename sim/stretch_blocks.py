@@ -1,10 +1,38 @@
 """A stretch's blocks (sim/engine.py): what its running requests filled and the new blocks
-they took, applied to the KV cache in the order vLLM's scheduler would have, step by step."""
+they took, applied to the KV cache in the order vLLM's scheduler would have, step by step;
+and the plan of a stretch, and its end time as a SimPy delay."""
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 from sim.kv.kv_cache_manager import KVCacheManager
 from sim.request import Request
+
+
+class Stretch(NamedTuple):
+    """A planned stretch whose blocks, registrations and finishes are not applied yet."""
+
+    first_step: int
+    decoders: list[Request]
+    chunked: Request | None  # the last running request, computing prefill chunks
+    chunks: list[int]  # its chunk per step (empty: every request decodes)
+    pops: list[tuple[int, int]]  # new blocks, (step, running index), in vLLM's order
+    prefill_context0: int  # the chunked request's computed tokens before the stretch
+    ends: list[float]  # each step's end time
+    since_prefill: int  # steps since the last prefill step, before the stretch
+
+
+def delay_to(now_s: float, target_s: float) -> float | None:
+    """A delay ``d`` with ``now_s + d == target_s`` exactly (SimPy schedules at now + delay),
+    or None when rounding skips the target (no such float ``d`` exists)."""
+    delay = target_s - now_s
+    while now_s + delay < target_s:
+        delay = math.nextafter(delay, math.inf)
+    while now_s + delay > target_s:
+        delay = math.nextafter(delay, -math.inf)
+    return delay if now_s + delay == target_s and delay >= 0 else None
 
 
 def unregistered_hashes(kv: KVCacheManager, running: list[Request]) -> list[int]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,7 @@ from sim.config.loading import load_yaml
 from sim.config.model import ModelGeometry
 from sim.cost_model import ATTENTION_FLOPS, CostModel, CostParams
 from sim.errors import KvsimConfigError
+from sim.kernel_builds import kernel_build_steps
 from sim.results import SCENARIO, STEPS, RunData, load_run
 from sim.scenario import Scenario, parse_scenario
 from sim.scheduler.output import BatchShape
@@ -77,6 +78,7 @@ def robust_fit(
     max_rounds: int = 4,
     fixed: Mapping[str, float] | None = None,
     idle_s: list[float] | None = None,
+    kernel_builds: list[bool] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """A median fit that ignores stalls: steps that took over ``OUTLIER_FACTOR`` times the
     fitted prediction are dropped and the fit repeated.
@@ -90,12 +92,18 @@ def robust_fit(
     milliseconds; those are not a property of the batch, and a squared loss would let a few of
     them drag every coefficient. The share of steps dropped is reported as ``outlier_frac``.
     ``fixed`` holds parameters at given values (see :func:`fit_cost_params`); ``idle_s``
-    (one per step) is how long the engine sat idle before each after-idle step.
+    (one per step) is how long the engine sat idle before each after-idle step;
+    ``kernel_builds`` (one per step) marks the first step of each token count.
     """
     keep = np.ones(len(shapes), dtype=bool)
     idle = np.asarray(after_idle, dtype=bool)
     since = np.asarray(since_prefill, dtype=int)
     gaps = np.zeros(len(shapes)) if idle_s is None else np.asarray(idle_s, dtype=float)
+    builds = (
+        np.zeros(len(shapes), dtype=bool)
+        if kernel_builds is None
+        else np.asarray(kernel_builds, dtype=bool)
+    )
     # Decode-only steps outnumber prefill steps ~30 to 1 in agent traffic, but prefill steps
     # set TTFT: each class gets half of the loss.
     has_prefill = np.array([s.num_prefill_tokens > 0 for s in shapes])
@@ -105,6 +113,7 @@ def robust_fit(
         kept_idle = idle[keep].tolist()
         kept_since = since[keep].tolist()
         kept_gaps = gaps[keep].tolist()
+        kept_builds = builds[keep].tolist()
         kept_prefill = has_prefill[keep]
         num_prefill = max(int(kept_prefill.sum()), 1)
         num_decode = max(int((~kept_prefill).sum()), 1)
@@ -122,10 +131,14 @@ def robust_fit(
             since_prefill=kept_since,
             fixed=fixed,
             idle_s=kept_gaps,
+            kernel_builds=kept_builds,
         )
         cost = CostModel(model, hardware, tensor_parallel_size, params)
         predicted = np.array(
-            [cost.step_time_s(*step) for step in zip(shapes, idle, since, gaps, strict=True)]
+            [
+                cost.step_time_s(*step)
+                for step in zip(shapes, idle, since, gaps, builds, strict=True)
+            ]
         )
         new_keep = np.asarray(durations_s) <= OUTLIER_FACTOR * predicted
         if (new_keep == keep).all():
@@ -146,12 +159,30 @@ class MeasuredRun:
     after_idle: list[bool]
     since_prefill: list[int]
     idle_s: list[float]  # seconds idle before each after-idle step, else 0
+    kernel_builds: list[bool]  # the first step of its token count (sim/kernel_builds.py)
 
     @classmethod
     def of(cls, run: RunData, scenario: Scenario) -> MeasuredRun:
         shapes, durations_s, after_idle, idle_s = step_shapes(run)
         since = steps_since_prefill(shapes)
-        return cls(run, scenario, shapes, durations_s, after_idle, since, idle_s)
+        builds = kernel_build_steps(
+            (s.num_tokens for s in shapes),
+            CostParams().kernel_build_min_tokens,
+            scenario.engine.max_num_batched_tokens,
+        )
+        return cls(run, scenario, shapes, durations_s, after_idle, since, idle_s, builds)
+
+    def steps(self) -> Iterator[tuple[BatchShape, bool, int, float, bool]]:
+        """Each step's shape and what else the cost model prices it by, in
+        :meth:`CostModel.step_time_s`'s order."""
+        return zip(
+            self.shapes,
+            self.after_idle,
+            self.since_prefill,
+            self.idle_s,
+            self.kernel_builds,
+            strict=True,
+        )
 
 
 # The step columns a fit reads: start, duration and the batch shape.
@@ -312,6 +343,7 @@ def fit_measured(
         base.engine.tensor_parallel_size,
         fixed=fixed,
         idle_s=[g for m in measured for g in m.idle_s],
+        kernel_builds=[b for m in measured for b in m.kernel_builds],
     )
 
 
@@ -372,14 +404,13 @@ class StepError:
 
 def step_ratios(measured: MeasuredRun, params: CostParams) -> np.ndarray:
     """Measured / predicted time of each non-empty step of one measured run."""
-    m, s = measured, measured.scenario
+    s = measured.scenario
     cost = CostModel(s.model, s.hardware, s.engine.tensor_parallel_size, params)
-    steps = zip(m.shapes, m.durations_s, m.after_idle, m.since_prefill, m.idle_s, strict=True)
     return np.array(
         [
-            d / cost.step_time_s(shape, idle, n, gap)
-            for shape, d, idle, n, gap in steps
-            if shape.num_tokens
+            d / cost.step_time_s(*step)
+            for step, d in zip(measured.steps(), measured.durations_s, strict=True)
+            if step[0].num_tokens
         ]
     )
 

@@ -59,6 +59,7 @@ def fit_cost_params(
     fixed: Mapping[str, float] | None = None,
     idle_s: Sequence[float] | None = None,
     shared_kv: bool = False,
+    kernel_builds: Sequence[bool] | None = None,
 ) -> tuple[CostParams, dict[str, float]]:
     """Fit mode-"additive" CostParams to measured steps by non-negative least squares.
 
@@ -71,6 +72,9 @@ def fit_cost_params(
     counts as 0 and ``idle_wakeup_log_s`` comes out 0.
     ``since_prefill`` (one per step, from :func:`steps_since_prefill` on each run) places the
     decode steps after a prefill; without it ``post_prefill_decode_s`` comes out 0.
+    ``kernel_builds`` (one per step, from :func:`sim.kernel_builds.kernel_build_steps` on each
+    run) marks the first step of each token count; without it ``kernel_build_s`` and
+    ``kernel_build_per_token_s`` come out 0.
     ``loss="median"`` prices each batch shape at its median step instead (see
     :func:`_median_fit`; relative by construction, so ``relative`` does not apply): what
     calibration on a noisy machine wants, whose step times spread +-20% and more.
@@ -102,6 +106,7 @@ def fit_cost_params(
         ("after_idle", after_idle),
         ("since_prefill", since_prefill),
         ("idle_s", idle_s),
+        ("kernel_builds", kernel_builds),
     ):
         if values is not None and len(values) != num_steps:
             raise ValueError(f"{num_steps} shapes but {len(values)} {name}")
@@ -117,9 +122,10 @@ def fit_cost_params(
     idle = [False] * num_steps if after_idle is None else [bool(a) for a in after_idle]
     since = [0] * num_steps if since_prefill is None else [int(n) for n in since_prefill]
     gaps = [0.0] * num_steps if idle_s is None else [float(g) for g in idle_s]
+    builds = [False] * num_steps if kernel_builds is None else [bool(b) for b in kernel_builds]
     step_weights = np.ones(num_steps) if weights is None else np.asarray(weights, dtype=float)
     used_idx = [i for i, s in enumerate(shapes) if s.num_tokens > 0]
-    used = [(shapes[i], idle[i], since[i], gaps[i]) for i in used_idx]
+    used = [(shapes[i], idle[i], since[i], gaps[i], builds[i]) for i in used_idx]
     measured_s = np.array([float(durations_s[i]) for i in used_idx])
     used_weights = step_weights[used_idx]
     for i, duration_s in zip(used_idx, measured_s, strict=True):
@@ -150,7 +156,7 @@ def fit_cost_params(
         [
             probe.allreduce_transfer_time_s(s)
             + sum(term.price(f[term.name], pinned) for term in held_terms)
-            for (s, _, _, _), f in zip(used, features, strict=True)
+            for (s, *_), f in zip(used, features, strict=True)
         ]
     )
     # Least squares weights rows by the square root of the wanted loss weight.

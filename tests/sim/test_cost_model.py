@@ -150,7 +150,13 @@ def test_cost_terms_price_every_step_time_parameter_once():
     assert len(set(params)) == len(params) == len({term.name for term in COST_TERMS})
     # Every other field either is not a step-time coefficient or is folded by the fit.
     others = set(CostParams.model_fields) - set(params)
-    assert others == {"mode", "kernels", "allreduce_latency_s", "kv_transfer_efficiency"}
+    assert others == {
+        "mode",
+        "kernels",
+        "allreduce_latency_s",
+        "kv_transfer_efficiency",
+        "kernel_build_min_tokens",
+    }
     assert [t.name for t in COST_TERMS if not t.fitted] == ["tokens"]
 
 
@@ -177,6 +183,9 @@ step_params = st.builds(
     idle_wakeup_s=st.floats(0.0, 1e-2),
     idle_wakeup_log_s=st.floats(0.0, 5e-3),
     post_prefill_decode_s=st.floats(0.0, 1e-2),
+    kernel_build_s=st.floats(0.0, 1e-2),
+    kernel_build_per_token_s=st.floats(0.0, 1e-4),
+    kernel_build_min_tokens=st.integers(0, 256),
     allreduce_latency_s=st.floats(0.0, 1e-4),
     shared_kv_bandwidth_efficiency=st.none() | st.floats(0.05, 4.0),
 )
@@ -188,17 +197,27 @@ step_params = st.builds(
     after_idle=st.booleans(),
     since_prefill=st.integers(-1, 50),
     idle_s=st.floats(0.0, 600.0),
+    kernel_build=st.booleans(),
     params=step_params,
     shared_share=st.floats(0.0, 1.0),
 )
 def test_additive_step_time_is_the_priced_sum_of_the_named_features(
-    model, hardware, tp, counts, after_idle, since_prefill, idle_s, params, shared_share
+    model,
+    hardware,
+    tp,
+    counts,
+    after_idle,
+    since_prefill,
+    idle_s,
+    kernel_build,
+    params,
+    shared_share,
 ):
     """One definition: COST_TERMS prices the features; the hot loop's folding agrees."""
     shape = make_shape(*counts)
     shape.shared_kv_tokens = int(shared_share * shape.decode_context_tokens)
     cost = CostModel(model, hardware, tp, params)
-    context = (after_idle, since_prefill, idle_s)
+    context = (after_idle, since_prefill, idle_s, kernel_build)
     features = cost.features(shape, *context)
     assert list(features) == [term.name for term in COST_TERMS]
     expected_s = sum(term.price(features[term.name], params) for term in COST_TERMS)
@@ -267,6 +286,24 @@ def test_decode_steps_after_a_prefill_pay_one_over_n_of_the_refill():
     assert refill.step_time_s(decodes, steps_since_prefill=0) == steady_s
     assert refill.step_time_s(decodes, steps_since_prefill=-1) == steady_s
     assert refill.step_time_s(two_chunks, steps_since_prefill=1) == cost.step_time_s(two_chunks)
+
+
+def test_a_first_step_of_its_token_count_pays_for_its_kernels_above_the_minimum():
+    cost = make_cost_model()
+    # Default 0: nothing changes, and the engine need not track token counts.
+    assert cost.kernel_build_min_tokens is None
+    big, small = make_shape(200, 1, 8, 1024), make_shape(40, 1, 8, 1024)
+    assert cost.step_time_s(big, kernel_build=True) == cost.step_time_s(big)
+    building = make_cost_model(kernel_build_s=3e-3, kernel_build_per_token_s=2e-5)
+    assert building.kernel_build_min_tokens == 64
+    assert building.step_time_s(big, kernel_build=True) == pytest.approx(
+        cost.step_time_s(big) + 3e-3 + 2e-5 * 208
+    )
+    assert building.step_time_s(big) == pytest.approx(cost.step_time_s(big))
+    # 48 tokens: at or under the minimum, a first step builds nothing.
+    assert building.step_time_s(small, kernel_build=True) == pytest.approx(cost.step_time_s(small))
+    assert building.features(small, kernel_build=True)["kernel_build"] == 0.0
+    assert building.features(big, kernel_build=True)["kernel_build_tokens"] == 208.0
 
 
 def test_allreduce_time_follows_the_ring_formula():

@@ -19,12 +19,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import sim.engine
-from sim.engine import delay_to
 from sim.kv.kv_cache_manager import KVCacheManager
 from sim.recorder import Recorder
 from sim.runner import SimulationResult, simulate
 from sim.scenario import parse_scenario
 from sim.scheduler.scheduler import Scheduler
+from sim.stretch_blocks import delay_to
 
 
 def length(draw: st.DrawFn, low: int, high: int) -> dict[str, Any]:

@@ -216,6 +216,7 @@ class FixedStepCost:
     """Every step's model time is 10 ms; KV transfers priced by the real cost model."""
 
     STEP_S = 0.01
+    kernel_build_min_tokens = None
 
     def __init__(self, cost_model: CostModel) -> None:
         self.cost_model = cost_model
@@ -226,6 +227,7 @@ class FixedStepCost:
         after_idle: bool = False,
         steps_since_prefill: int = 0,
         idle_s: float = 0.0,
+        kernel_build: bool = False,
     ) -> float:
         return self.STEP_S
 

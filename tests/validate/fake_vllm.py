@@ -22,6 +22,8 @@ TRUTH = CostParams(
     idle_wakeup_s=2.5e-3,
     idle_wakeup_log_s=1.2e-3,
     post_prefill_decode_s=9e-4,
+    kernel_build_s=2e-3,
+    kernel_build_per_token_s=1e-5,
 )
 
 

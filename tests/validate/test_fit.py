@@ -6,6 +6,7 @@ import pytest
 from sim.config.hardware import HARDWARE_PRESETS
 from sim.config.model import MODEL_PRESETS
 from sim.cost_model import COST_TERMS, CostModel, CostParams
+from sim.kernel_builds import kernel_build_steps
 from sim.scheduler.output import BatchShape
 from validate.fit import FITTED_TERMS, fit_cost_params, steps_since_prefill
 
@@ -49,6 +50,8 @@ TRUE_PARAMS = CostParams(
     idle_wakeup_s=3e-3,
     idle_wakeup_log_s=1.5e-3,
     post_prefill_decode_s=8e-4,
+    kernel_build_s=3e-3,
+    kernel_build_per_token_s=1.5e-5,
     allreduce_latency_s=0.0,
 )
 
@@ -83,7 +86,9 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
     since = steps_since_prefill(shapes)
     # Idle gaps from 1 ms to ~20 s, spread over the after-idle steps.
     idle_s = [1e-3 * 1.6 ** (i % 22) if idle else 0.0 for i, idle in enumerate(after_idle)]
-    steps = list(zip(shapes, after_idle, since, idle_s, strict=True))
+    builds = kernel_build_steps((s.num_tokens for s in shapes), 64, 2048)
+    assert 30 < sum(builds) < len(shapes) - 30  # first steps of a token count, and repeats
+    steps = list(zip(shapes, after_idle, since, idle_s, builds, strict=True))
     durations_s = [truth.step_time_s(*step) for step in steps]
     params, quality = fit_cost_params(
         shapes,
@@ -94,6 +99,7 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
         after_idle=after_idle,
         since_prefill=since,
         idle_s=idle_s,
+        kernel_builds=builds,
     )
     assert params.mode == "additive"
     assert quality["r2"] > 0.999
@@ -109,6 +115,8 @@ def test_fit_recovers_additive_params_from_noise_free_steps():
         "idle_wakeup_s",
         "idle_wakeup_log_s",
         "post_prefill_decode_s",
+        "kernel_build_s",
+        "kernel_build_per_token_s",
     ):
         assert getattr(params, field) == pytest.approx(getattr(TRUE_PARAMS, field), rel=0.01)
 

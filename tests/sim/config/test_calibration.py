@@ -156,6 +156,10 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
             "kernels": None,
             "idle_wakeup_log_s": 0.0,
             "shared_kv_bandwidth_efficiency": None,
+            # An old profile priced no kernel builds, and still does not.
+            "kernel_build_s": 0.0,
+            "kernel_build_per_token_s": 0.0,
+            "kernel_build_min_tokens": 64,
         },
         "max_num_batched_tokens": [],
         "params_by_budget": {},
