@@ -2,6 +2,7 @@
 
     python benchmarks/bench_validation.py [--out DIR] [--rounds N] [--samples N]
                                           [--device cpu|cuda] [--model PATH]
+    python benchmarks/bench_validation.py --refit SESSION --out DIR [--samples N]
 
 Runs :func:`validate.suite.run_suite` over ``scenarios/calibration/*.yaml`` and
 ``scenarios/validation/*.yaml``: N rounds (default 6) of interleaved replays, each round
@@ -11,6 +12,11 @@ scenario. Prints, per scenario, kvsim against the median of the N replays, the r
 error, the replays' own spread and their step times against the profile, and kvsim's
 p10-p90 band over ``--samples`` step-speed samples (default 10; sim/uncertainty.py) with
 whether the replays' median lies in it; writes each report.json under ``--out``.
+
+``--refit SESSION`` runs no vLLM: it takes the replays of an earlier session (its ``--out``)
+and fits, simulates and compares them again with this checkout's cost model, into ``--out``
+(seconds to minutes): how a change to the model would have scored on replays already made.
+Its figures are no new session; they say which replays they re-read.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
 from validate.compare import broken_bounds
 from validate.runner import write_report
-from validate.suite import DEFAULT_ROUNDS, run_suite
+from validate.suite import DEFAULT_ROUNDS, refit_suite, run_suite
 
 
 def main() -> None:
@@ -38,6 +44,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=10)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--model", default=None)
+    parser.add_argument("--refit", type=Path, default=None, metavar="SESSION")
     args = parser.parse_args()
     if args.samples < 0:
         parser.error(f"--samples {args.samples}: must be 0 (no band) or more")
@@ -47,16 +54,26 @@ def main() -> None:
     calibration = [load_scenario(p) for p in sorted((SCENARIO_DIR / "calibration").glob("*.yaml"))]
     validation = [load_scenario(p) for p in sorted((SCENARIO_DIR / "validation").glob("*.yaml"))]
     started = time.perf_counter()
-    result = run_suite(
-        calibration,
-        validation,
-        args.out,
-        args.device,
-        args.model,
-        on_replay=lambda what: console.print(f"[dim]{time.strftime('%H:%M:%S')} {what}[/dim]"),
-        rounds=args.rounds,
-        samples=args.samples,
-    )
+    if args.refit is not None:
+        console.print(f"refit of the replays in {args.refit} (no vLLM run)", highlight=False)
+        result = refit_suite(
+            args.refit,
+            [s.name for s in calibration],
+            [s.name for s in validation],
+            args.out,
+            args.samples,
+        )
+    else:
+        result = run_suite(
+            calibration,
+            validation,
+            args.out,
+            args.device,
+            args.model,
+            on_replay=lambda what: console.print(f"[dim]{time.strftime('%H:%M:%S')} {what}[/dim]"),
+            rounds=args.rounds,
+            samples=args.samples,
+        )
     fit = result.profile.fit
     console.print(
         f"{platform.node()}: {os.cpu_count()} CPUs, {args.device}, vLLM "

@@ -20,8 +20,10 @@ from itertools import zip_longest
 from pathlib import Path
 
 from sim.config.calibration import CalibrationProfile, save_profile
-from sim.results import RunData
-from sim.scenario import Scenario
+from sim.config.loading import load_yaml
+from sim.errors import KvsimConfigError
+from sim.results import RunData, load_run
+from sim.scenario import Scenario, parse_scenario
 from sim.uncertainty import band_rows, run_samples
 from validate.calibrate import calibrate
 from validate.runner import ValidationReport, build_report, run_real, run_sim
@@ -113,7 +115,21 @@ def run_suite(
         (measured if role == "calibration" else reals[scenario.name]).append(run)
     else:
         done = rounds
-    profile = calibrate([run.path for run in measured], command="kvsim validation suite")
+    return evaluate_suite(measured, validation, reals, out_dir, samples, done)
+
+
+def evaluate_suite(
+    calibration_runs: list[RunData],
+    validation: Sequence[Scenario],
+    real_runs: dict[str, list[RunData]],
+    out_dir: Path,
+    samples: int = 0,
+    rounds: int = DEFAULT_ROUNDS,
+) -> SuiteResult:
+    """The suite after its replays: fit a profile on ``calibration_runs``, simulate each
+    validation scenario with it (and its band over ``samples`` step-speed samples), compare
+    against its ``real_runs``. Writes ``out_dir/profile.json`` and ``out_dir/<name>/sim``."""
+    profile = calibrate([run.path for run in calibration_runs], command="kvsim validation suite")
     profile_path = out_dir / PROFILE_NAME
     save_profile(profile, profile_path)
     reports, sims = {}, {}
@@ -121,6 +137,38 @@ def run_suite(
         sims[scenario.name] = sim = run_sim(scenario, profile, out_dir / scenario.name / "sim")
         band = band_rows(sim.summary, run_samples(scenario, profile, samples)[1]) if samples else []
         reports[scenario.name] = build_report(
-            scenario, sim, reals[scenario.name], profile_path, band
+            scenario, sim, real_runs[scenario.name], profile_path, band
         )
-    return SuiteResult(profile, measured, reports, reals, sims, done)
+    return SuiteResult(profile, calibration_runs, reports, real_runs, sims, rounds)
+
+
+def refit_suite(
+    session_dir: Path,
+    calibration_names: Sequence[str],
+    validation_names: Sequence[str],
+    out_dir: Path,
+    samples: int = 0,
+) -> SuiteResult:
+    """:func:`evaluate_suite` on the replays of an earlier session (``session_dir``, a
+    :func:`run_suite` ``out_dir``): the same real runs, fitted and simulated with this
+    kvsim's cost model, into the new ``out_dir``. Each validation scenario is simulated as its
+    replays recorded it (their ``scenario.yaml``), not as the scenario file reads now."""
+    replays = {
+        name: [load_run(p) for p in sorted(session_dir.glob(f"{name}/real-*")) if p.is_dir()]
+        for name in [*calibration_names, *validation_names]
+    }
+    missing = [name for name, runs in replays.items() if not runs]
+    if missing:
+        raise KvsimConfigError(
+            f"{session_dir}: no replays of {', '.join(missing)} (no {missing[0]}/real-* folder); "
+            "refit a session written by benchmarks/bench_validation.py --out"
+        )
+    validation = [
+        parse_scenario(load_yaml(replays[name][0].scenario_yaml, name), name)
+        for name in validation_names
+    ]
+    out_dir.mkdir(parents=True, exist_ok=False)
+    calibration_runs = [run for name in calibration_names for run in replays[name]]
+    real_runs = {name: replays[name] for name in validation_names}
+    rounds = min(len(runs) for runs in real_runs.values())
+    return evaluate_suite(calibration_runs, validation, real_runs, out_dir, samples, rounds)

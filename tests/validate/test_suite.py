@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from sim.errors import KvsimConfigError
 from sim.results import RunData
 from sim.scenario import SCENARIO_DIR, Scenario, load_scenario
 from tests.validate.fake_vllm import TRUTH, fake_replay
@@ -54,6 +55,34 @@ def test_replays_alternate_and_the_simulation_meets_the_engine_it_was_fitted_on(
     assert result.profile.step_residual_quantiles == pytest.approx([1.0] * 1000, rel=1e-6)
     band = {b["metric"]: b for b in report.to_json()["band"]}
     assert band["ITL p50"]["low"] == pytest.approx(rows["ITL p50"].value, rel=1e-6)
+
+
+def test_a_refit_of_a_sessions_replays_gives_that_sessions_reports(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(suite, "run_real", lambda s, d, m, out: fake_replay(s, out))
+    calibration = [load_scenario(SCENARIO_DIR / "calibration" / "agentic-contexts.yaml")]
+    validation = [load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")]
+    session = tmp_path / "session"
+    first = suite.run_suite(calibration, validation, session, rounds=2)
+    names = ["cal-agentic-contexts"], ["val-agentic-multiturn"]
+    again = suite.refit_suite(session, *names, tmp_path / "refit")
+    assert again.rounds == 2 and len(again.calibration_runs) == 2
+    assert again.profile.params == first.profile.params
+    before = first.reports["val-agentic-multiturn"].to_json()
+    after = again.reports["val-agentic-multiturn"].to_json()
+    # The same figures; only the paths to the profile and the simulation differ.
+    assert after["calibration"] == str(tmp_path / "refit" / suite.PROFILE_NAME)
+    assert after["sim_run"] == str(tmp_path / "refit" / "val-agentic-multiturn" / "sim")
+    paths = ("calibration", "sim_run")
+    assert {k: v for k, v in after.items() if k not in paths} == {
+        k: v for k, v in before.items() if k not in paths
+    }
+    # The new folder holds the new profile and simulation; the session is left as it was.
+    assert (tmp_path / "refit" / suite.PROFILE_NAME).is_file()
+    assert (tmp_path / "refit" / "val-agentic-multiturn" / "sim").is_dir()
+    with pytest.raises(KvsimConfigError, match="no replays of cal-decode-sweep"):
+        suite.refit_suite(session, ["cal-decode-sweep"], names[1], tmp_path / "other")
 
 
 def test_suite_refuses_an_empty_side_a_reused_name_or_no_rounds(tmp_path: Path) -> None:
