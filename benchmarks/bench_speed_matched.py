@@ -1,6 +1,7 @@
 """A validation session's misses split in two: the replay machine's speed, and the rest.
 
     python benchmarks/bench_speed_matched.py DIR      # DIR: a bench_validation.py --out
+    python benchmarks/bench_speed_matched.py DIR --profile REFIT/profile.json
 
 On a shared machine one vLLM process runs the same batches up to ~25% slower or faster than
 the next, and a replay's latencies follow its speed. This re-reads a validation session
@@ -18,9 +19,11 @@ validation apart), the first step after the engine sat idle, measured / priced, 
 it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus
 ``idle_wakeup_log_s`` x ln(1 + idle / 10 ms), and this shows how well at every gap. And the
 steps with a prefill chunk (wake-ups left out), measured / priced, by how many tokens the step
-computes, per token budget: the cost model is linear in a step's tokens, and this shows where
+computes, per token budget: the cost model is linear in a step's tokens (beyond the first
+step of each token count, which builds kernels: sim/kernel_builds.py), and this shows where
 that is off (cells of under 20 steps are left out). No vLLM needed: simulations only, seconds
-to a minute.
+to a minute. ``--profile`` prices and simulates with another profile than the session's own,
+e.g. the one ``bench_validation.py --refit DIR --out REFIT`` fitted on the same replays.
 """
 
 from __future__ import annotations
@@ -176,9 +179,12 @@ def pct(x: float) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("dir", type=Path, help="a bench_validation.py --out directory")
+    parser.add_argument(
+        "--profile", type=Path, default=None, help="price with this profile (default: DIR's)"
+    )
     args = parser.parse_args()
     console = Console(width=150)  # the table's width, also when piped
-    profile_path = args.dir / "profile.json"
+    profile_path = args.profile or args.dir / "profile.json"
     scenario_dirs = sorted(p for p in args.dir.glob("val-*") if p.is_dir())
     if not profile_path.is_file() or not scenario_dirs:
         sys.exit(
@@ -188,7 +194,7 @@ def main() -> None:
     profile = load_profile(profile_path)
     table = Table(
         title=f"kvsim vs the replays' median, at the profile's step speed and at each "
-        f"replay's ({args.dir})"
+        f"replay's ({args.dir}, priced by {profile_path})"
     )
     for col in (
         "scenario",
