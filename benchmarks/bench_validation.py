@@ -24,11 +24,13 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import sys
 import time
 from pathlib import Path
 
 from rich.console import Console
 
+from sim.errors import KvsimConfigError
 from sim.report import band_table
 from sim.scenario import SCENARIO_DIR, load_scenario
 from validate.commands import error_table, step_time_line
@@ -55,14 +57,19 @@ def main() -> None:
     validation = [load_scenario(p) for p in sorted((SCENARIO_DIR / "validation").glob("*.yaml"))]
     started = time.perf_counter()
     if args.refit is not None:
+        if args.out.exists():
+            parser.error(f"--out {args.out} exists; a refit writes a new folder")
         console.print(f"refit of the replays in {args.refit} (no vLLM run)", highlight=False)
-        result = refit_suite(
-            args.refit,
-            [s.name for s in calibration],
-            [s.name for s in validation],
-            args.out,
-            args.samples,
-        )
+        try:
+            result = refit_suite(
+                args.refit,
+                [s.name for s in calibration],
+                [s.name for s in validation],
+                args.out,
+                args.samples,
+            )
+        except KvsimConfigError as error:
+            sys.exit(str(error))
     else:
         result = run_suite(
             calibration,
