@@ -237,7 +237,7 @@ class Engine(SinkBase):
                 after_idle,
                 since_prefill,
                 env.now - idle_since_s if after_idle else 0.0,
-                builds is not None and builds.run(shape.num_prefill_tokens + shape.num_decode_reqs),
+                builds is not None and builds.run(shape.num_tokens),
             )
             if jitter is not None:
                 duration_s *= jitter(output.step)
@@ -395,7 +395,7 @@ class Engine(SinkBase):
                 step_since_prefill = 0
             elif step_since_prefill >= 0:
                 step_since_prefill += 1
-            if builds is not None and builds.is_new(shape.num_prefill_tokens + num_decode):
+            if builds is not None and builds.is_new(shape.num_tokens):
                 break
             duration_s = step_time_s(shape, False, step_since_prefill)
             if jitter is not None:

@@ -40,7 +40,7 @@ class KernelBuilds:
 
     def run(self, num_tokens: int) -> bool:
         """Record a step of ``num_tokens`` as run; True when it built kernels."""
-        if num_tokens > self.min_tokens and num_tokens not in self._built:
+        if self.is_new(num_tokens):
             self._built.add(num_tokens)
             return True
         return False
@@ -52,4 +52,4 @@ def kernel_build_steps(
     """For each step of one engine process's run, in order (its tokens: prefill chunks plus
     one per decode; 0 for an empty step): whether it built kernels."""
     builds = KernelBuilds(min_tokens, max_num_batched_tokens)
-    return [builds.run(n) if n else False for n in token_counts]
+    return [builds.run(n) for n in token_counts]  # 0 tokens: never above min_tokens
