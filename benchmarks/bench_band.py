@@ -36,13 +36,10 @@ from sim.scenario import parse_scenario
 from sim.uncertainty import band_rows, run_samples
 from validate.calibrate import calibrate
 from validate.compare import BOUNDED_METRICS
+from validate.suite import replay_dirs
 
 # The figures the fidelity bound names: TTFT, ITL and E2E p50 and throughput.
 BOUNDED = BOUNDED_METRICS[:4]
-
-
-def replay_dirs(path: Path) -> list[Path]:
-    return sorted(p for p in path.glob("real-*") if p.is_dir())
 
 
 def changed_params(old: CalibrationProfile, new: CalibrationProfile) -> list[str]:

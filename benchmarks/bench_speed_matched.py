@@ -49,6 +49,7 @@ from sim.runner import simulate
 from sim.scenario import Scenario, parse_scenario
 from validate.calibrate import MeasuredRun, step_time_ratio
 from validate.compare import BOUNDED_METRICS
+from validate.suite import replay_dirs
 
 # Idle gaps (s) the wake-up table splits the first steps after idle by.
 GAP_EDGES_S = (0.0, 0.01, 0.05, 0.2, 1.0, 5.0, float("inf"))
@@ -104,11 +105,10 @@ def session_steps(session: Path, profile: CalibrationProfile) -> SessionSteps:
     steps: SessionSteps = {}
     for kind in ("cal", "val"):
         steps[kind] = []
-        for run_dir in sorted(session.glob(f"{kind}-*/real-*")):
-            if run_dir.is_dir():
-                run = load_run(run_dir)
-                scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
-                steps[kind].append((scenario, step_ratio_rows(run, scenario, profile)))
+        for run_dir in (p for d in sorted(session.glob(f"{kind}-*")) for p in replay_dirs(d)):
+            run = load_run(run_dir)
+            scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
+            steps[kind].append((scenario, step_ratio_rows(run, scenario, profile)))
     return steps
 
 
@@ -207,7 +207,7 @@ def main() -> None:
     ):
         table.add_column(col, justify="left" if col in ("scenario", "metric") else "right")
     for scenario_dir in scenario_dirs:
-        reals = [load_run(p) for p in sorted(scenario_dir.glob("real-*")) if p.is_dir()]
+        reals = [load_run(p) for p in replay_dirs(scenario_dir)]
         if not reals:
             continue
         scenario = parse_scenario(yaml.safe_load(reals[0].scenario_yaml), str(reals[0].path))

@@ -49,6 +49,13 @@ class SuiteResult:
     rounds: int  # rounds run: fewer than asked when max_duration_s cut the suite short
 
 
+def replay_dirs(scenario_dir: Path) -> list[Path]:
+    """The replays of one scenario of a session (``real-<round>`` folders), in round order:
+    ``real-10`` after ``real-9``."""
+    rounds = [p for p in scenario_dir.glob("real-*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(rounds, key=lambda p: int(p.name[5:]))
+
+
 def replay_order(
     calibration: Sequence[Scenario], validation: Sequence[Scenario], rounds: int
 ) -> list[tuple[int, Scenario]]:
@@ -154,7 +161,7 @@ def refit_suite(
     kvsim's cost model, into the new ``out_dir``. Each validation scenario is simulated as its
     replays recorded it (their ``scenario.yaml``), not as the scenario file reads now."""
     replays = {
-        name: [load_run(p) for p in sorted(session_dir.glob(f"{name}/real-*")) if p.is_dir()]
+        name: [load_run(p) for p in replay_dirs(session_dir / name)]
         for name in [*calibration_names, *validation_names]
     }
     missing = [name for name, runs in replays.items() if not runs]
@@ -168,7 +175,13 @@ def refit_suite(
         for name in validation_names
     ]
     out_dir.mkdir(parents=True, exist_ok=False)
-    calibration_runs = [run for name in calibration_names for run in replays[name]]
+    # Round by round, as run_suite replayed and fitted them.
+    calibration_runs = [
+        run
+        for one_round in zip_longest(*(replays[name] for name in calibration_names))
+        for run in one_round
+        if run is not None
+    ]
     real_runs = {name: replays[name] for name in validation_names}
     rounds = min(len(runs) for runs in real_runs.values())
     return evaluate_suite(calibration_runs, validation, real_runs, out_dir, samples, rounds)

@@ -61,13 +61,19 @@ def test_a_refit_of_a_sessions_replays_gives_that_sessions_reports(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(suite, "run_real", lambda s, d, m, out: fake_replay(s, out))
-    calibration = [load_scenario(SCENARIO_DIR / "calibration" / "agentic-contexts.yaml")]
+    calibration = [
+        load_scenario(SCENARIO_DIR / "calibration" / f"{n}.yaml")
+        for n in ("agentic-contexts", "prefill-sweep")
+    ]
     validation = [load_scenario(SCENARIO_DIR / "validation" / "agentic-multiturn.yaml")]
     session = tmp_path / "session"
     first = suite.run_suite(calibration, validation, session, rounds=2)
-    names = ["cal-agentic-contexts"], ["val-agentic-multiturn"]
+    names = ["cal-agentic-contexts", "cal-prefill-sweep"], ["val-agentic-multiturn"]
     again = suite.refit_suite(session, *names, tmp_path / "refit")
-    assert again.rounds == 2 and len(again.calibration_runs) == 2
+    assert again.rounds == 2
+    # The calibration replays in the order the session fitted them: round by round.
+    assert [r.path for r in again.calibration_runs] == [r.path for r in first.calibration_runs]
+    assert again.profile.created_by == first.profile.created_by
     assert again.profile.params == first.profile.params
     before = first.reports["val-agentic-multiturn"].to_json()
     after = again.reports["val-agentic-multiturn"].to_json()
@@ -83,6 +89,18 @@ def test_a_refit_of_a_sessions_replays_gives_that_sessions_reports(
     assert (tmp_path / "refit" / "val-agentic-multiturn" / "sim").is_dir()
     with pytest.raises(KvsimConfigError, match="no replays of cal-decode-sweep"):
         suite.refit_suite(session, ["cal-decode-sweep"], names[1], tmp_path / "other")
+
+
+def test_replay_dirs_are_in_round_order(tmp_path: Path) -> None:
+    for name in ("real-10", "real-2", "real-1", "real-9", "real-x"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "real-3").write_text("a file, not a replay")
+    assert [p.name for p in suite.replay_dirs(tmp_path)] == [
+        "real-1",
+        "real-2",
+        "real-9",
+        "real-10",
+    ]
 
 
 def test_suite_refuses_an_empty_side_a_reused_name_or_no_rounds(tmp_path: Path) -> None:
