@@ -35,11 +35,8 @@ from sim.results import load_run
 from sim.scenario import parse_scenario
 from sim.uncertainty import band_rows, run_samples
 from validate.calibrate import calibrate
-from validate.compare import BOUNDED_METRICS
+from validate.compare import BAR_FIGURES
 from validate.suite import replay_dirs
-
-# The figures the fidelity bound names: TTFT, ITL and E2E p50 and throughput.
-BOUNDED = BOUNDED_METRICS[:4]
 
 
 def changed_params(old: CalibrationProfile, new: CalibrationProfile) -> list[str]:
@@ -119,14 +116,14 @@ def main() -> None:
         with console.status(f"{scenario.name}: {args.samples} samples"):
             rows = band_rows(None, run_samples(scenario, profile, args.samples)[1])
         now = [{**asdict(r), "inside": r.contains(reference.get(r.metric))} for r in rows]
-        width = (widths(report["band"], BOUNDED), widths(now, BOUNDED))
+        width = (widths(report["band"], BAR_FIGURES), widths(now, BAR_FIGURES))
         all_widths[0].extend(width[0])
         all_widths[1].extend(width[1])
         counts = (
             inside(report["band"]),
             inside(now),
-            inside(report["band"], BOUNDED),
-            inside(now, BOUNDED),
+            inside(report["band"], BAR_FIGURES),
+            inside(now, BAR_FIGURES),
         )
         for i, (k, _) in enumerate(counts):
             totals[i] += k

@@ -25,10 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from validate.compare import BOUND, BOUNDED_METRICS
-
-# The figures the bar names.
-FIGURES = BOUNDED_METRICS[:4]
+from validate.compare import BAR_FIGURES, BOUND
 
 
 @dataclass(frozen=True)
@@ -50,8 +47,8 @@ def scenario_result(report: dict[str, Any]) -> ScenarioResult:
     metrics = {m["metric"]: m for m in report["metrics"]}
     band = {b["metric"]: b for b in report.get("band") or []}
     return ScenarioResult(
-        errors=tuple(metrics.get(f, {}).get("relative_error") for f in FIGURES),
-        inside=tuple(band.get(f, {}).get("inside") for f in FIGURES),
+        errors=tuple(metrics.get(f, {}).get("relative_error") for f in BAR_FIGURES),
+        inside=tuple(band.get(f, {}).get("inside") for f in BAR_FIGURES),
     )
 
 
@@ -78,13 +75,12 @@ def _error(e: float | None) -> str:
 def _cell(result: ScenarioResult | None) -> str:
     if result is None:
         return "-"
-    errors = " / ".join(
-        "n/a"
-        if e is None
-        else (f"[bold]{100 * e:+.1f}[/]" if abs(e) > BOUND else f"{100 * e:+.1f}")
-        for e in result.errors
+    errors = " / ".join(_error(e) for e in result.errors)
+    band = (
+        "no band"
+        if all(i is None for i in result.inside)
+        else f"{result.in_band}/{len(BAR_FIGURES)} in band"
     )
-    band = "no band" if all(i is None for i in result.inside) else f"{result.in_band}/4 in band"
     return f"{errors}%\n{band}"
 
 
@@ -99,7 +95,7 @@ def main() -> None:
         console.print(f"[red]{exc}[/]")
         sys.exit(2)
     names = sorted({name for results in sessions.values() for name in results})
-    table = Table(title=f"{' / '.join(FIGURES)}: kvsim vs the replays' median")
+    table = Table(title=f"{' / '.join(BAR_FIGURES)}: kvsim vs the replays' median")
     table.add_column("scenario")
     for d in sessions:
         table.add_column(d, justify="right")
@@ -112,14 +108,12 @@ def main() -> None:
         rows = [results.get(name) for name in names]
         within = sum(r.within for r in rows if r is not None)
         in_band = sum(r.in_band for r in rows if r is not None)
-        figures = len(FIGURES) * len(names)
+        figures = len(BAR_FIGURES) * len(names)
         meets = within == figures and in_band == figures
         met += meets
-        total_within, total_band, total = (
-            total_within + within,
-            total_band + in_band,
-            total + figures,
-        )
+        total_within += within
+        total_band += in_band
+        total += figures
         console.print(
             f"{d}: within {100 * BOUND:.0f}% {within} of {figures}, in the band {in_band} of "
             f"{figures}: {'meets' if meets else 'misses'} the bar"

@@ -28,6 +28,9 @@ BOUNDED_METRICS = (
     "preemptions",
     "prefix-cache hit rate",
 )
+# The figures the validation issue's bar names: these within BOUND, and the replays' median
+# inside kvsim's band on each.
+BAR_FIGURES = BOUNDED_METRICS[:4]
 
 
 @dataclass(frozen=True)
