@@ -10,17 +10,8 @@ measured / fitted time divided by its run's median ratio (the run's own speed is
 
 :class:`StepJitter` gives step ``k`` (the scheduler's step counter) one of those quantiles,
 picked uniformly by the ``k``-th draw of a generator seeded by the run: a draw from the
-measured distribution itself (its shape and its tail up to the 99.95th percentile; no
-interpolation that would stretch one outlier over a whole percentile), divided by the
-quantiles' mean. The jitter spreads a sample's steps around its speed and leaves the speed
-where the sample drew it: the factors average 1, the median step runs ~1% faster than the
-sample's speed and the slow tail slower. Undivided, the factors' mean (1.010-1.015 on the
-vLLM-CPU calibration replays: the slow tail) made every sample ~1% slower than its speed,
-and on four six-round validation sessions the band's median read 0.7 / 1.2 / 1.7% slower
-than kvsim's point on TTFT / ITL / E2E p50 (the median over 28 scenario-sessions) where the
-replays' median read -0.2 / +0.4 / -0.0%: the replays' figures sit at the point model,
-whose steps are priced at their median (``validate.fit``'s median loss), not at the point
-plus the tail's mean. The factor depends on
+measured distribution itself (its mean and its tail up to the 99.95th percentile; no
+interpolation that would stretch one outlier over a whole percentile). The factor depends on
 the step's index only, never on how often the engine priced it, so the fast path and the
 step-by-step reference (``tests/sim/test_fast_path.py``) draw the same factor for the same
 step.
@@ -110,8 +101,7 @@ class StepJitter:
             raise ValueError("step residual quantiles: none given")
         check_quantiles(quantiles)
         check_components(components)
-        values = np.asarray(quantiles, dtype=float)
-        self._quantiles = values / values.mean()  # mean 1: the sample's speed stays its own
+        self._quantiles = np.asarray(quantiles, dtype=float)
         self._rng = np.random.default_rng(list(seed))
         self._factors = np.empty(0)
         self._components = tuple((float(a), float(phi)) for a, phi in components if a > 0)

@@ -15,8 +15,7 @@ without them; ``CostModel``'s ``step_time_scale``; swap and offload copies keep 
 a stratified draw: a stable band from a few samples), and
 with ``vary_seed`` also with workload seed ``seed + i``. Where the profile records the
 step-to-step spread within a process (``step_residual_quantiles``), each step of sample ``i``
-is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``; the draws
-average 1, so the spread leaves the sample's speed where it is), in the
+is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``), in the
 order the measured steps persist in where the profile records that
 (``step_residual_persistence``): independent draws move the p99 latencies, persistent ones
 the medians and run-level figures too. Each sample is a whole run of the same engine, so

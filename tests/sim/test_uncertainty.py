@@ -127,11 +127,11 @@ def test_samples_draw_step_jitter_when_the_profile_records_it(tmp_path: Path) ->
     itl = "vllm:inter_token_latency_seconds"
     for jittered, steady in zip(summaries, plain, strict=True):
         assert jittered["metrics"][itl] != steady["metrics"][itl]
-    # The jitter spreads steps around the sample's speed, it does not move it: every step
-    # drawing the same factor is the sample without jitter (its speed is run_step_ratios').
+    # Every step drawing the same factor is a slower process: the run speed times it.
     constant = PROFILE.model_copy(update={"step_residual_quantiles": [1.25] * 101})
+    slower = PROFILE.model_copy(update={"run_step_ratios": [1.25 * r for r in RATIOS]})
     for a, b in zip(run_samples(spec, constant, 2, workers=1)[1],
-                    run_samples(spec, PROFILE, 2, workers=1)[1], strict=True):  # fmt: skip
+                    run_samples(spec, slower, 2, workers=1)[1], strict=True):  # fmt: skip
         for metric in ("vllm:time_to_first_token_seconds", itl):
             assert a["metrics"][metric]["p50"] == pytest.approx(b["metrics"][metric]["p50"])
     # Drawn in a persistent order: the same distribution, other runs, still deterministic.
