@@ -95,8 +95,7 @@ class CalibrationProfile(BaseModel):
         default_factory=list,
         description="Quantiles, at (i + 0.5) / 1,000, of every measured step's measured / "
         "fitted time over its run's median ratio: the step-to-step jitter within one engine "
-        "process (kvsim run --samples gives each step one of them over their mean, drawn "
-        "uniformly: the jitter averages 1 and leaves the sample's speed as drawn). Empty "
+        "process (kvsim run --samples gives each step one of them, drawn uniformly). Empty "
         "for profiles not fitted on measured runs, or written before kvsim recorded them.",
     )
     step_residual_persistence: list[tuple[float, float]] = Field(
