@@ -114,7 +114,7 @@ def main() -> None:
         first = load_run(replay_dirs(directory)[0])
         scenario = parse_scenario(yaml.safe_load(first.scenario_yaml), str(first.path))
         with console.status(f"{scenario.name}: {args.samples} samples"):
-            rows = band_rows(None, run_samples(scenario, profile, args.samples)[1])
+            rows = band_rows(None, run_samples(scenario, profile, args.samples)[1], profile)
         now = [{**asdict(r), "inside": r.contains(reference.get(r.metric))} for r in rows]
         width = (widths(report["band"], BAR_FIGURES), widths(now, BAR_FIGURES))
         all_widths[0].extend(width[0])

@@ -53,9 +53,10 @@ def run(
         int,
         typer.Option(
             help="Also run the scenario N more times at the step speeds the calibration's "
-            "measured runs ran at (each step with its own jitter, where the profile records "
-            "it), and report each metric's median and p10-p90 band (samples.json; needs "
-            "--calibration from kvsim calibrate).",
+            "measured runs ran at (each step with its own jitter, and latencies and "
+            "throughput times the fit's model error held out on its calibration scenarios, "
+            "where the profile records them), and report each metric's median and p10-p90 "
+            "band (samples.json; needs --calibration from kvsim calibrate).",
             min=0,
         ),
     ] = 0,
@@ -153,7 +154,7 @@ def run(
                     on_done=lambda k: bar.update(task, completed=k),
                     on_serial=note,
                 )
-            band = band_rows(result.summary, summaries)
+            band = band_rows(result.summary, summaries, profile)
             band_warning = truncation_warning(result.summary, summaries)
             record = band_records(band, factors, summaries, profile)
             writers.append(lambda d: (d / SAMPLES).write_text(json.dumps(record, indent=2) + "\n"))

@@ -301,10 +301,13 @@ def band_table(
     ``kvsim run --samples`` (sim/uncertainty.py); with ``references`` (by metric), also the
     measured value and whether it lies in the band."""
     what = "step speeds and workload seeds" if vary_seed else "step speeds"
-    table = Table(
-        title=f"uncertainty: {num_samples} samples at the {what} of the calibration's runs",
-        title_justify="left",
-    )
+    title = f"uncertainty: {num_samples} samples at the {what} of the calibration's runs"
+    if any(r.model_error for r in rows):
+        title += (
+            ", latencies and throughput times the fit's model error held out on the "
+            "calibration scenarios"
+        )
+    table = Table(title=title, title_justify="left")
     columns = ["metric", "this run", "median", "p10", "p90"]
     if references is not None:
         columns += [reference_label, "in band"]

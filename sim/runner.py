@@ -47,6 +47,7 @@ MEASURED_SPREAD = frozenset(
         "held_out_run_step_ratios",
         "step_residual_quantiles",
         "step_residual_persistence",
+        "held_out_metric_ratios",
     }
 )
 

@@ -18,8 +18,14 @@ step-to-step spread within a process (``step_residual_quantiles``), each step of
 is also multiplied by its own draw from it (:mod:`sim.step_jitter`, stream ``i``), in the
 order the measured steps persist in where the profile records that
 (``step_residual_persistence``): independent draws move the p99 latencies, persistent ones
-the medians and run-level figures too. Each sample is a whole run of the same engine, so
-the band costs N runs, spread over worker processes.
+the medians and run-level figures too. Where the profile records the fit's error at the level
+of the metrics on scenarios held out of it (``held_out_metric_ratios``,
+:mod:`validate.metric_error`: a measured run's TTFT, ITL, E2E or throughput over kvsim's at
+that run's own speed), sample ``i``'s latencies and throughput are also multiplied by a
+stratified draw from those (:func:`metric_error_factors`): what a fit off on one kind of step
+(prefill chunks, say) and right at the median step does to a metric, which no step speed
+carries. Each sample is a whole run of the same engine, so the band costs N runs, spread
+over worker processes.
 """
 
 from __future__ import annotations
@@ -43,6 +49,12 @@ from sim.step_jitter import JitterSpec
 SAMPLES = "samples.json"
 # The band reported: these percentiles of the samples' values.
 BAND_PERCENTILES = (10.0, 90.0)
+# Units of the headline metrics a model error multiplies: latencies and throughput (not the
+# counts and fractions the scheduler decides: preemptions, hit rate, KV usage).
+MODEL_ERROR_UNITS = frozenset({"s", "tok/s"})
+# Seeds the order in which samples take the model-error quantiles (independent of the
+# speeds, which samples take in ascending order).
+MODEL_ERROR_SEED = 0
 
 
 def speed_factors(run_step_ratios: Sequence[float], num_samples: int) -> list[float]:
@@ -80,6 +92,27 @@ def run_ratios(profile: CalibrationProfile) -> list[float]:
     return profile.held_out_run_step_ratios or profile.run_step_ratios
 
 
+def metric_error_factors(
+    profile: CalibrationProfile | None, num_samples: int
+) -> dict[str, list[float]]:
+    """Per headline metric the profile measured a held-out model error for on at least two
+    calibration scenarios (``held_out_metric_ratios``): the factor each sample's value is
+    multiplied by. Sample ``i`` takes the quantile at ``(p_i + 0.5) / num_samples`` of the
+    scenarios' ratios, ``p`` a fixed permutation (:data:`MODEL_ERROR_SEED`), the same for
+    every metric: a stratified draw, as the speeds', paired with them at random. Empty
+    without a profile or such ratios."""
+    if profile is None or not profile.held_out_metric_ratios:
+        return {}
+    order = np.random.default_rng(MODEL_ERROR_SEED).permutation(num_samples)
+    levels = (order + 0.5) / num_samples
+    factors = {}
+    for label, _, unit in HEADLINE_METRICS:
+        ratios = [r[label] for r in profile.held_out_metric_ratios.values() if label in r]
+        if unit in MODEL_ERROR_UNITS and len(ratios) >= 2:
+            factors[label] = [float(q) for q in np.quantile(np.asarray(ratios), levels)]
+    return factors
+
+
 @dataclass(frozen=True)
 class BandRow:
     metric: str
@@ -89,6 +122,8 @@ class BandRow:
     low: float | None  # BAND_PERCENTILES[0] of the samples
     high: float | None  # BAND_PERCENTILES[1]
     samples: tuple[float | None, ...]  # one per sample, None where it lacks the metric
+    # Whether the samples' values include a model-error factor (metric_error_factors).
+    model_error: bool = False
 
     def contains(self, value: float | None) -> bool | None:
         """Whether ``value`` lies in [low, high]; None when either side is missing."""
@@ -97,11 +132,21 @@ class BandRow:
         return self.low <= value <= self.high
 
 
-def band_rows(point: dict[str, Any] | None, samples: Sequence[dict[str, Any]]) -> list[BandRow]:
-    """One row per headline metric over the samples' summaries."""
+def band_rows(
+    point: dict[str, Any] | None,
+    samples: Sequence[dict[str, Any]],
+    profile: CalibrationProfile | None = None,
+) -> list[BandRow]:
+    """One row per headline metric over the samples' summaries, each sample's value times
+    its :func:`metric_error_factors` of ``profile`` where it records them."""
+    errors = metric_error_factors(profile, len(samples))
     rows = []
     for label, path, unit in HEADLINE_METRICS:
         values = [metric_value(s, path) for s in samples]
+        if label in errors:
+            values = [
+                None if v is None else v * f for v, f in zip(values, errors[label], strict=True)
+            ]
         present = tuple(v for v in values if v is not None)
         complete = len(present) == len(values) and bool(present)
         low, high = (
@@ -118,6 +163,7 @@ def band_rows(point: dict[str, Any] | None, samples: Sequence[dict[str, Any]]) -
                 low=low,
                 high=high,
                 samples=tuple(values),
+                model_error=label in errors,
             )
         )
     return rows
@@ -156,6 +202,9 @@ def band_records(
         "speed_factors": list(factors),
         # Drawn from runs priced by fits without their scenario (see run_ratios).
         "speeds_held_out": held_out,
+        # Per metric, what each sample's value was multiplied by (metric_error_factors):
+        # the samples' values below include it.
+        "model_error_factors": metric_error_factors(profile, len(summaries)),
         "step_jitter": jitter,
         "step_persistence": [
             list(c) for c in (profile.step_residual_persistence if jitter and profile else [])
@@ -170,6 +219,7 @@ def band_records(
                 "low": r.low,
                 "high": r.high,
                 "samples": list(r.samples),
+                "model_error": r.model_error,
             }
             for r in rows
         ],

@@ -22,6 +22,7 @@ from sim.shape_coverage import ShapeCell, fitted_cells, shape_coverage
 from sim.step_jitter import residual_quantiles
 from sim.step_record import SHAPE_COLUMNS, shapes_of_steps
 from validate.fit import fit_cost_params, steps_since_prefill
+from validate.metric_error import PricedRun, metric_ratios
 from validate.step_persistence import residual_persistence
 
 # A step slower than this many times its fitted prediction is a stall, not a batch cost.
@@ -366,7 +367,9 @@ def calibrate_measured(
     # Each run against the parameters that price its budget: how fast its process ran.
     ratios = [step_ratios(m, fits.params_for(budget_of(m))) for m in measured]
     run_ratios = [float(np.median(r)) for r in ratios]
-    return CalibrationProfile(
+    if others_fits is None:
+        others_fits = held_out_fits(measured)
+    profile = CalibrationProfile(
         params=params,
         params_by_budget=fits.by_budget,
         hardware=run_hardware(first, base),
@@ -387,6 +390,10 @@ def calibrate_measured(
         step_residual_quantiles=residual_quantiles(ratios),
         step_residual_persistence=residual_persistence(ratios),
     )
+    if not profile.held_out_run_step_ratios:
+        return profile  # runs of one scenario: nothing held out
+    errors = metric_ratios(held_out_pricing(measured, profile, others_fits), profile)
+    return profile.model_copy(update={"held_out_metric_ratios": errors})
 
 
 @dataclass(frozen=True)
@@ -464,11 +471,40 @@ def held_out_run_ratios(
         return []
     ratios = []
     for m, own in zip(measured, in_sample, strict=True):
-        name, budget = m.scenario.name, budget_of(m)
-        if any(budget_of(o) == budget and o.scenario.name != name for o in measured):
-            own = float(np.median(step_ratios(m, others_fits[name].params_for(budget))))
+        if held_out(m, measured):
+            own = float(
+                np.median(step_ratios(m, others_fits[m.scenario.name].params_for(budget_of(m))))
+            )
         ratios.append(own)
     return ratios
+
+
+def held_out(m: MeasuredRun, measured: Sequence[MeasuredRun]) -> bool:
+    """Whether a fit without ``m``'s scenario prices ``m`` held out: another scenario of
+    ``measured`` ran at its token budget (else that fit would measure the budget, not the
+    fit's error; see :func:`held_out_run_ratios`)."""
+    name, budget = m.scenario.name, budget_of(m)
+    return any(budget_of(o) == budget and o.scenario.name != name for o in measured)
+
+
+def held_out_pricing(
+    measured: Sequence[MeasuredRun],
+    profile: CalibrationProfile,
+    others_fits: Mapping[str, BudgetFits],
+) -> list[PricedRun]:
+    """Each run of ``measured`` as :func:`held_out_run_ratios` prices it: by ``profile``
+    with the fit without its scenario's runs (``others_fits``) where :func:`held_out`, else
+    by ``profile`` itself; at its speed against that fit (``held_out_run_step_ratios``)."""
+    priced = []
+    for m, speed in zip(measured, profile.held_out_run_step_ratios, strict=True):
+        pricing = profile
+        if held_out(m, measured):
+            fits = others_fits[m.scenario.name]
+            pricing = profile.model_copy(
+                update={"params": fits.params, "params_by_budget": fits.by_budget}
+            )
+        priced.append(PricedRun(m.run, m.scenario, pricing, speed))
+    return priced
 
 
 def scenario_groups(measured: Sequence[MeasuredRun]) -> dict[str, list[MeasuredRun]]:

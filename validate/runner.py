@@ -225,6 +225,7 @@ class ValidationReport:
                 "high": b.high,
                 "reference": reference.get(b.metric),
                 "inside": b.contains(reference.get(b.metric)),
+                "model_error": b.model_error,
             }
             for b in self.band
         ]

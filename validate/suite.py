@@ -142,7 +142,11 @@ def evaluate_suite(
     reports, sims = {}, {}
     for scenario in validation:
         sims[scenario.name] = sim = run_sim(scenario, profile, out_dir / scenario.name / "sim")
-        band = band_rows(sim.summary, run_samples(scenario, profile, samples)[1]) if samples else []
+        band = (
+            band_rows(sim.summary, run_samples(scenario, profile, samples)[1], profile)
+            if samples
+            else []
+        )
         reports[scenario.name] = build_report(
             scenario, sim, real_runs[scenario.name], profile_path, band
         )

@@ -255,9 +255,10 @@ def _band(path: Path) -> None:
     with st.expander(f"Uncertainty band ({num_samples} step-speed sample{plural})"):
         st.caption(
             "`kvsim run --samples`: the scenario again at the step speeds of the calibration's "
-            "measured runs (and each step's own jitter, for profiles that record it); each "
-            "metric at the profile as fitted, and the samples' median and p10-p90 "
-            "(samples.json)."
+            "measured runs (and each step's own jitter, for profiles that record it; "
+            "latencies and throughput times the fit's model error held out on the calibration "
+            "scenarios, for profiles that record it); each metric at the profile as fitted, and "
+            "the samples' median and p10-p90 (samples.json)."
         )
         st.dataframe(table, hide_index=True, key="ex-band")
 

@@ -100,7 +100,9 @@ def _calibration_widgets() -> tuple[Any, int, bool]:
         st.caption(
             "A calibration profile (`kvsim calibrate`'s JSON) prices the steps, as `kvsim run "
             "--calibration` does; samples rerun the scenario at the step speeds of its measured "
-            "runs, as `kvsim run --samples` does, and report each metric's p10-p90 band."
+            "runs (latencies and throughput times the fit's model error held out on its "
+            "calibration scenarios, where it records one), as `kvsim run --samples` does, and "
+            "report each metric's p10-p90 band."
         )
         upload = st.file_uploader("Calibration profile", type=["json"], key="wi-profile")
         samples = st.number_input(
@@ -180,7 +182,7 @@ def _run(
             factors, summaries = run_samples(
                 scenario, profile, samples, vary_seed, on_done=sampled, on_serial=st.info
             )
-            rows = band_rows(result.summary, summaries)
+            rows = band_rows(result.summary, summaries, profile)
             band = band_records(rows, factors, summaries, profile)
             band_warning = truncation_warning(result.summary, summaries)
     except Exception as exc:  # KvsimConfigError (sizing, a trace), or whatever else breaks

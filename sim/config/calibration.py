@@ -106,6 +106,17 @@ class CalibrationProfile(BaseModel):
         "sim/step_jitter.py). Empty: independent draws (profiles written before kvsim "
         "recorded it, or runs without a measurable persistence).",
     )
+    held_out_metric_ratios: dict[str, dict[str, float]] = Field(
+        default_factory=dict,
+        description="Per calibration scenario (by name) that a fit without it could price: "
+        "per headline latency or throughput metric (sim/metrics.py's labels), the median "
+        "over its measured runs of the run's value / kvsim's, simulated with that fit at the "
+        "run's held-out step speed (held_out_run_step_ratios) and step jitter (the run's own "
+        "jitter stream): what the fit's error on a scenario it was not fitted on does to a "
+        "metric beyond the step speed. kvsim run --samples multiplies each sample's metrics "
+        "by a draw from them (sim/uncertainty.py). Empty for runs of one scenario, or "
+        "profiles written before kvsim recorded them.",
+    )
     device_measurements: dict[str, float] = Field(
         default_factory=dict,
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
@@ -116,6 +127,13 @@ class CalibrationProfile(BaseModel):
     @classmethod
     def _time_factors(cls, values: list[float]) -> list[float]:
         check_quantiles(values)  # finite and positive: they multiply step times
+        return values
+
+    @field_validator("held_out_metric_ratios")
+    @classmethod
+    def _metric_factors(cls, values: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+        for by_metric in values.values():
+            check_quantiles(list(by_metric.values()))  # they multiply metric values
         return values
 
     @field_validator("step_residual_persistence")

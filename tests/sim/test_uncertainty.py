@@ -9,6 +9,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -19,12 +20,15 @@ from sim.config.hardware import HARDWARE_PRESETS
 from sim.config.model import MODEL_PRESETS
 from sim.cost_model import CostModel, CostParams
 from sim.errors import KvsimConfigError
+from sim.metrics import ITL, TTFT
+from sim.report import band_table
 from sim.scenario import SCENARIO_DIR, load_scenario
 from sim.scheduler.output import BatchShape
 from sim.uncertainty import (
     SAMPLES,
     band_records,
     band_rows,
+    metric_error_factors,
     run_ratios,
     run_samples,
     sample_factors,
@@ -202,6 +206,48 @@ def test_samples_run_in_this_process_when_workers_cannot_start(
     assert run_samples(spec, PROFILE, 2, workers=2, on_serial=told.append) == expected
     (why,) = told  # said once, not silently N times slower
     assert "sem_open" in why and "the 2 samples left run one by one" in why
+
+
+# Per calibration scenario, the fit's held-out error on each metric (validate/metric_error.py).
+ERRORS = {
+    "cal-a": {"TTFT p50": 1.3, "ITL p50": 1.0, "preemptions": 2.0},
+    "cal-b": {"TTFT p50": 0.9},
+    "cal-c": {"TTFT p50": 1.0},
+}
+
+
+def test_model_error_factors_are_stratified_quantiles_paired_with_the_speeds_at_random() -> None:
+    profile = PROFILE.model_copy(update={"held_out_metric_ratios": ERRORS})
+    factors = metric_error_factors(profile, 10)
+    # ITL p50: one scenario's error is no spread; preemptions: a count, never scaled.
+    assert list(factors) == ["TTFT p50"]
+    levels = (np.arange(10) + 0.5) / 10
+    assert sorted(factors["TTFT p50"]) == pytest.approx(np.quantile([1.3, 0.9, 1.0], levels))
+    assert factors["TTFT p50"] != sorted(factors["TTFT p50"])  # not in the speeds' order
+    assert metric_error_factors(profile, 10) == factors  # a fixed order: deterministic
+    assert metric_error_factors(PROFILE, 10) == metric_error_factors(None, 10) == {}
+    with pytest.raises(ValueError, match="finite, positive"):
+        PROFILE.model_validate(
+            {**PROFILE.model_dump(), "held_out_metric_ratios": {"cal-a": {"TTFT p50": -1.0}}}
+        )
+
+
+def test_the_band_multiplies_each_samples_latencies_by_its_model_error() -> None:
+    profile = PROFILE.model_copy(update={"held_out_metric_ratios": ERRORS})
+    summaries = [{"metrics": {TTFT: {"p50": 0.1 * (i + 1)}, ITL: {"p50": 0.01}}} for i in range(4)]
+    errors = metric_error_factors(profile, 4)["TTFT p50"]
+    rows = {r.metric: r for r in band_rows(summaries[0], summaries, profile)}
+    ttft, itl = rows["TTFT p50"], rows["ITL p50"]
+    assert ttft.samples == pytest.approx([0.1 * (i + 1) * f for i, f in enumerate(errors)])
+    assert ttft.point == 0.1  # the run at the profile as fitted: no error drawn
+    assert ttft.model_error and not itl.model_error and itl.samples == (0.01,) * 4
+    without = band_rows(None, summaries)[0]  # no profile: the simulations' own values
+    assert without.samples == pytest.approx([0.1, 0.2, 0.3, 0.4]) and not without.model_error
+    record = band_records(list(rows.values()), [1.0] * 4, summaries, profile)
+    assert record["model_error_factors"] == {"TTFT p50": errors}
+    assert record["metrics"][0]["model_error"] is True
+    assert "model error held out" in band_table(list(rows.values()), 4, False).title
+    assert "model error" not in band_table(band_rows(None, summaries), 4, False).title
 
 
 def test_a_sample_cut_at_the_time_limit_is_flagged() -> None:

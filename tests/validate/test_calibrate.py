@@ -313,6 +313,27 @@ def test_runs_held_out_of_the_fit_carry_its_error_on_an_unseen_scenario(tmp_path
     assert calibrate(runs[:1]).held_out_run_step_ratios == []
 
 
+def test_held_out_metric_ratios_carry_the_error_the_step_speed_misses(tmp_path: Path) -> None:
+    """agentic-contexts' prefill steps cost 3x what the other scenarios' do: its median step
+    (a decode) reads the others' fit as exact, its TTFT does not. Runs of one pricing read 1
+    on every metric."""
+    names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
+    dear = TRUTH.model_copy(update={"prefill_step_overhead_s": 3 * TRUTH.prefill_step_overhead_s})
+    runs = [
+        measured_looking_run(tmp_path, n, params=dear if n == "agentic-contexts" else TRUTH)
+        for n in names
+    ]
+    profile = calibrate(runs)
+    assert profile.held_out_run_step_ratios[2] == pytest.approx(1.0, abs=0.01)
+    ratios = profile.held_out_metric_ratios["cal-agentic-contexts"]
+    assert ratios["TTFT p50"] > 1.1 and ratios["E2E p50"] > 1.0
+    assert "preemptions" not in ratios and "KV usage peak" not in ratios
+    exact = [measured_looking_run(tmp_path / "exact", n) for n in names]
+    for by_metric in calibrate(exact).held_out_metric_ratios.values():
+        assert by_metric and all(r == pytest.approx(1.0, abs=0.02) for r in by_metric.values())
+    assert calibrate(runs[:1]).held_out_metric_ratios == {}  # one scenario: nothing held out
+
+
 def test_a_scenario_alone_at_its_budget_keeps_its_in_sample_ratio(tmp_path: Path) -> None:
     """Held out, the other budgets' fit would price it: that measures the budget (a user's
     scenario at a calibrated budget gets that budget's fit), so it stays in sample."""
@@ -342,6 +363,8 @@ def test_cli_leave_one_out_prints_each_scenarios_held_out_error(tmp_path: Path) 
     ) in " ".join(result.output.split())
     rows = [line for line in result.output.splitlines() if "cal-" in line]
     assert len(rows) == 2 and "held-out ratio" in result.output
+    assert "model error held out (kvsim run --samples draws it)" in result.output
+    assert "over 2 scenarios: TTFT p50 " in " ".join(result.output.split())
     one = tmp_path / "one.json"
     alone = CliRunner().invoke(app, ["calibrate", runs[0], "-o", str(one), "--leave-one-out"])
     assert alone.exit_code == 2 and "at least two scenarios" in " ".join(alone.output.split())
