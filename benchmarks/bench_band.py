@@ -11,8 +11,9 @@ draws kvsim's p10-p90 band again for every validation scenario (``--samples``, d
 median inside the band as the session reported it and as drawn now, and how wide the bands
 of the bounded figures (TTFT, ITL, E2E p50, throughput) are, session and now: a band that
 holds more medians only by growing wider says so. Use it to judge a change
-to the band (``step_residual_persistence``, the order steps draw their jitter in) on replays
-already measured. No vLLM needed: a fit and N simulations per scenario, a few minutes on
+to the band (``step_residual_persistence``, the order steps draw their jitter in;
+``held_out_metric_ratios``, the model error it multiplies latencies by) on replays already
+measured. No vLLM needed: a fit and N simulations per scenario, a few minutes on
 two cores.
 """
 
@@ -35,6 +36,7 @@ from sim.results import load_run
 from sim.scenario import parse_scenario
 from sim.uncertainty import band_rows, run_samples
 from validate.calibrate import calibrate
+from validate.commands import model_error_line
 from validate.compare import BAR_FIGURES
 from validate.suite import replay_dirs
 
@@ -97,6 +99,8 @@ def main() -> None:
         f"refit on {len(calibration_runs)} calibration replays: r2 {profile.fit['r2']:.4f}; "
         f"step jitter persistence: {persistence or 'none'}"
     )
+    if profile.held_out_metric_ratios:
+        console.print(model_error_line(profile), highlight=False)
     if (session / "profile.json").is_file():
         moved = changed_params(load_profile(session / "profile.json"), profile)
         if moved:

@@ -171,5 +171,6 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "held_out_run_step_ratios": [],
         "step_residual_quantiles": [],
         "step_residual_persistence": [],
+        "held_out_metric_ratios": {},
         "device_measurements": {},
     }
