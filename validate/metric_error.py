@@ -52,7 +52,9 @@ class PricedRun:
     speed: float
 
 
-def run_ratios(priced: PricedRun, stream: int, profile: CalibrationProfile) -> dict[str, float]:
+def metric_ratios_of_run(
+    priced: PricedRun, stream: int, profile: CalibrationProfile
+) -> dict[str, float]:
     """Per scaled metric both sides report as positive: the run's value / kvsim's, simulated
     at the run's speed with ``profile``'s step jitter, stream ``stream``."""
     summary = simulate(
@@ -73,8 +75,8 @@ def metric_ratios(
     runs: Sequence[PricedRun], profile: CalibrationProfile
 ) -> dict[str, dict[str, float]]:
     """Per scenario name of ``runs``: per scaled metric, the median of its runs' ratios
-    (:func:`run_ratios`; the ``k``-th run of a scenario draws jitter stream ``k``). A metric
-    no run of the scenario reports as positive on both sides is left out."""
+    (:func:`metric_ratios_of_run`; the ``k``-th run of a scenario draws jitter stream
+    ``k``). A metric no run of the scenario reports as positive on both sides is left out."""
     by_scenario: dict[str, list[PricedRun]] = {}
     for priced in runs:
         by_scenario.setdefault(priced.scenario.name, []).append(priced)
@@ -82,7 +84,7 @@ def metric_ratios(
     for name in sorted(by_scenario):
         collected: dict[str, list[float]] = {}
         for stream, priced in enumerate(by_scenario[name]):
-            for label, ratio in run_ratios(priced, stream, profile).items():
+            for label, ratio in metric_ratios_of_run(priced, stream, profile).items():
                 collected.setdefault(label, []).append(ratio)
         if collected:
             result[name] = {label: float(np.median(v)) for label, v in collected.items()}
