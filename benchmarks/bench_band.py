@@ -101,6 +101,8 @@ def main() -> None:
     )
     if profile.held_out_metric_ratios:
         console.print(model_error_line(profile), highlight=False)
+    for line in profile.stalled_warnings():  # runs this refit left out (sessions before
+        console.print(line, style="yellow", markup=False, highlight=False)  # 2026-12-07 kept them)
     if (session / "profile.json").is_file():
         moved = changed_params(load_profile(session / "profile.json"), profile)
         if moved:

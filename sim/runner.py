@@ -38,7 +38,8 @@ from sim.workload import build_workload
 # Simulated seconds between progress callbacks (and chances to stop).
 PROGRESS_INTERVAL_S = 5.0
 # Profile fields describing the calibration runs, not the pricing: left out of a run's
-# summary.json (shape_cells are hundreds; the others are what --samples draws from).
+# summary.json (shape_cells are hundreds; stalled_runs names runs the fit left out; the
+# others are what --samples draws from).
 MEASURED_SPREAD = frozenset(
     {
         "shape_cells",
@@ -48,6 +49,7 @@ MEASURED_SPREAD = frozenset(
         "step_residual_quantiles",
         "step_residual_persistence",
         "held_out_metric_ratios",
+        "stalled_runs",
     }
 )
 
@@ -59,10 +61,10 @@ def priced_by(calibration: CalibrationProfile, budget: int) -> dict[str, Any]:
 
     Less what describes its calibration runs rather than the pricing
     (:data:`MEASURED_SPREAD`: the fitted shape cells, hundreds, where kvsim run prints the
-    run's coverage instead; each run's and step's speed, what --samples draws from). For a
-    profile fitted per budget, ``params`` is the fit that priced the run
-    (``priced_at_budget``: the budget whose fit it is, or None for the fit over all budgets)
-    instead of the per-budget table."""
+    run's coverage instead; each run's and step's speed, what --samples draws from; the runs
+    left out as stalled). For a profile fitted per budget, ``params`` is the fit that priced
+    the run (``priced_at_budget``: the budget whose fit it is, or None for the fit over all
+    budgets) instead of the per-budget table."""
     record = calibration.model_dump(mode="json", exclude=MEASURED_SPREAD | {"params_by_budget"})
     if calibration.params_by_budget:
         record["params"] = calibration.params_for(budget).model_dump(mode="json")

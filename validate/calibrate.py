@@ -28,6 +28,13 @@ from validate.step_persistence import residual_persistence
 # A step slower than this many times its fitted prediction is a stall, not a batch cost.
 OUTLIER_FACTOR = 2.0
 
+# A run whose median step ran this many times slower than the median run's at its token
+# budget (against the fit that prices each) was stalled by something else on the machine,
+# not slowed by its batches: processes of one machine ran within 0.8-1.4x of each other in
+# the validation sessions, a replay beside a test run at 7.6x (README, the seventeenth
+# session).
+STALLED_RUN_FACTOR = 2.0
+
 
 # A step that starts this much after the previous one ended followed an idle engine.
 IDLE_GAP_S = 1e-9
@@ -367,6 +374,10 @@ def calibrate_measured(
     # Each run against the parameters that price its budget: how fast its process ran.
     ratios = [step_ratios(m, fits.params_for(budget_of(m))) for m in measured]
     run_ratios = [float(np.median(r)) for r in ratios]
+    stalled = stalled_runs(measured, run_ratios)
+    if stalled:  # fit again without them; they would price every step and widen every band
+        profile = calibrate_measured(without_runs(measured, stalled), run_dirs, command)
+        return profile.model_copy(update={"stalled_runs": stalled | profile.stalled_runs})
     if others_fits is None:
         others_fits = held_out_fits(measured)
     profile = CalibrationProfile(
@@ -394,6 +405,28 @@ def calibrate_measured(
         return profile  # runs of one scenario: nothing held out
     errors = metric_ratios(held_out_pricing(measured, profile, others_fits), profile)
     return profile.model_copy(update={"held_out_metric_ratios": errors})
+
+
+def without_runs(measured: Sequence[MeasuredRun], paths: Mapping[str, float]) -> list[MeasuredRun]:
+    """``measured`` less the runs whose path is a key of ``paths`` (e.g. stalled ones)."""
+    return [m for m in measured if str(m.run.path) not in paths]
+
+
+def stalled_runs(measured: Sequence[MeasuredRun], run_ratios: Sequence[float]) -> dict[str, float]:
+    """The runs of ``measured`` whose median step ratio (``run_ratios``) is over
+    :data:`STALLED_RUN_FACTOR` times the median run's at their token budget, by path, with
+    that multiple. Only budgets with three runs or more are screened: the budget changes
+    kernel speed (a budget without a fit of its own is priced by the fit over all), and two
+    runs have no median to stand out from."""
+    at_budget: dict[int, list[float]] = {}
+    for m, ratio in zip(measured, run_ratios, strict=True):
+        at_budget.setdefault(budget_of(m), []).append(ratio)
+    typical = {b: float(np.median(r)) for b, r in at_budget.items() if len(r) >= 3}
+    return {
+        str(m.run.path): ratio / typical[budget]
+        for m, ratio in zip(measured, run_ratios, strict=True)
+        if (budget := budget_of(m)) in typical and ratio > STALLED_RUN_FACTOR * typical[budget]
+    }
 
 
 @dataclass(frozen=True)

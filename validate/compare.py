@@ -16,6 +16,8 @@ from typing import Any
 
 from sim.metrics import HEADLINE_METRICS, metric_value
 
+Metrics = Sequence[tuple[str, tuple[str, ...], str]]  # as HEADLINE_METRICS
+
 # How sure the interval around a repeated measurement's median must be (see median_interval).
 MEDIAN_CONFIDENCE = 0.75
 # The validation issue's bound: kvsim within 10% of real vLLM on these metrics.
@@ -31,6 +33,13 @@ BOUNDED_METRICS = (
 # The figures the validation issue's bar names: these within BOUND, and the replays' median
 # inside kvsim's band on each.
 BAR_FIGURES = BOUNDED_METRICS[:4]
+# What two runs' SLOs make of their requests: kvsim compare's and the dashboard's rows after
+# the headline ones (validation leaves them out: replay and simulation share the scenario's
+# SLOs, so they say nothing its latencies do not).
+SLO_METRICS: Metrics = (
+    ("goodput", ("goodput_req_s",), "req/s"),
+    ("SLO attainment", ("slo_attainment",), "frac"),
+)
 
 
 @dataclass(frozen=True)
@@ -105,20 +114,44 @@ def median_interval(
 
 
 def compare_summaries(value: dict[str, Any], reference: dict[str, Any]) -> list[ComparisonRow]:
-    """One row per compared metric: value, reference and relative error."""
-    return compare_to_runs(value, [reference])
+    """One row per headline metric and per :data:`SLO_METRICS` one: value, reference and
+    relative error (:func:`slo_mismatch` says when the two runs' SLOs differ)."""
+    return compare_to_runs(value, [reference], (*HEADLINE_METRICS, *SLO_METRICS))
+
+
+def slo_mismatch(value: dict[str, Any], reference: dict[str, Any]) -> str | None:
+    """Why the two runs' goodput and SLO attainment do not compare like with like (their
+    summaries' SLO targets differ), or None when they share them."""
+    a, b = (
+        {key: verdict.get("target") for key, verdict in (s.get("slos") or {}).items()}
+        for s in (value, reference)
+    )
+    differ = [key for key in sorted(a.keys() | b.keys()) if a.get(key) != b.get(key)]
+    if not differ:
+        return None
+
+    def shown(target: float | None) -> str:
+        return "none" if target is None else f"{target:g} s"
+
+    pairs = "; ".join(f"{k} {shown(a.get(k))} against {shown(b.get(k))}" for k in differ)
+    return (
+        f"the runs' SLOs differ ({pairs}): their goodput and SLO attainment count requests "
+        "against different bounds"
+    )
 
 
 def compare_to_runs(
-    value: dict[str, Any], references: Sequence[dict[str, Any]]
+    value: dict[str, Any],
+    references: Sequence[dict[str, Any]],
+    metrics: Metrics = HEADLINE_METRICS,
 ) -> list[ComparisonRow]:
-    """One row per compared metric against the median of several reference runs (the same
-    scenario measured repeatedly); a metric missing from any run is missing, and so is a
-    value that is not finite (a NaN is a statistic without samples, as None is)."""
+    """One row per metric of ``metrics`` against the median of several reference runs (the
+    same scenario measured repeatedly); a metric missing from any run is missing, and so is
+    a value that is not finite (a NaN is a statistic without samples, as None is)."""
     if not references:
         raise ValueError("compare_to_runs needs at least one reference run")
     rows = []
-    for label, path, unit in HEADLINE_METRICS:
+    for label, path, unit in metrics:
         runs = [_finite(metric_value(r, path)) for r in references]
         present = tuple(v for v in runs if v is not None)
         reference = statistics.median(present) if len(present) == len(runs) else None

@@ -264,6 +264,7 @@ def build_report(
         *device_warnings(sim, reals),
     ]
     if profile is not None:
+        warnings.extend(profile.stalled_warnings())
         warnings.append(profile.budget_warning(scenario.engine.max_num_batched_tokens))
         coverage = profile.coverage(
             shapes_of_steps(sim.steps), scenario.engine.max_num_batched_tokens

@@ -25,7 +25,7 @@ with st.spinner("Loading..."):
     from dashboard.locations import runs_dir
     from dashboard.tables import comparison_frame
     from sim.report import partial_lines, what_if_line
-    from validate.compare import compare_summaries
+    from validate.compare import compare_summaries, slo_mismatch
 
 base = runs_dir()
 with guard(f"listing the runs in {base}"):
@@ -80,6 +80,8 @@ with guard("comparing " + ", ".join(str(Path(v.path).name) for v in views)):
             st.warning(f"{partial}.")
         if what_if := what_if_line(v.summary, f"**{label}**"):
             st.info(f"{what_if}.")
+    if mismatch := slo_mismatch(value.summary, reference.summary):
+        st.info(f"{mismatch[0].upper()}{mismatch[1:]}.")
     table = comparison_frame(compare_summaries(value.summary, reference.summary))
     st.dataframe(
         table,

@@ -117,6 +117,13 @@ class CalibrationProfile(BaseModel):
         "by a draw from them (sim/uncertainty.py). Empty for runs of one scenario, or "
         "profiles written before kvsim recorded them.",
     )
+    stalled_runs: dict[str, float] = Field(
+        default_factory=dict,
+        description="Measured runs left out of the fit, by path: their median step ran more "
+        "than twice as slow as the median run's at their token budget (something else had "
+        "the machine), with that multiple. kvsim calibrate, kvsim validate and the suite "
+        "say so. Empty when none was (or for profiles written before kvsim screened runs).",
+    )
     device_measurements: dict[str, float] = Field(
         default_factory=dict,
         description="Micro-benchmarks of the device: copy and pinned host<->device bytes/s, "
@@ -134,6 +141,12 @@ class CalibrationProfile(BaseModel):
     def _metric_factors(cls, values: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
         for by_metric in values.values():
             check_quantiles(list(by_metric.values()))  # they multiply metric values
+        return values
+
+    @field_validator("stalled_runs")
+    @classmethod
+    def _stall_multiples(cls, values: dict[str, float]) -> dict[str, float]:
+        check_quantiles(list(values.values()))  # how many times slower: finite and positive
         return values
 
     @field_validator("step_residual_persistence")
@@ -154,6 +167,15 @@ class CalibrationProfile(BaseModel):
         """The parameters that price a run at ``max_num_batched_tokens``: the fit on that
         budget's runs when the profile has one, else ``params``."""
         return self.params_by_budget.get(max_num_batched_tokens, self.params)
+
+    def stalled_warnings(self) -> list[str]:
+        """One line per measured run the fit left out as stalled (:attr:`stalled_runs`)."""
+        return [
+            f"{path}: its steps ran {multiple:.1f}x as slow as the median calibration run's at "
+            "its token budget, so something else had the machine; left out of the profile's "
+            "fit and step speeds (replay it on a quiet machine and calibrate again to use it)"
+            for path, multiple in self.stalled_runs.items()
+        ]
 
     def budget_warning(self, max_num_batched_tokens: int) -> str | None:
         """Why step times may be off for a scenario run at ``max_num_batched_tokens``, or

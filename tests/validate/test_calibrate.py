@@ -30,10 +30,12 @@ from validate.calibrate import (
     incomplete_warnings,
     leave_one_scenario_out,
     load_measured,
+    stalled_runs,
     step_ratios,
     step_shapes,
     step_time_ratio,
 )
+from validate.runner import build_report
 
 
 def measured_looking_run(
@@ -487,3 +489,50 @@ def test_a_profile_naming_a_device_as_its_hardware_warns_only_of_another_kind(
     cli = CliRunner().invoke(app, [*args, "--out", str(tmp_path / "run"), "--quiet"])
     assert cli.exit_code == 0, cli.output
     assert "the calibration profile was fitted on" not in cli.output
+
+
+def test_a_run_stalled_by_something_else_is_left_out_of_the_fit_and_named(
+    tmp_path: Path,
+) -> None:
+    """A process whose steps all ran 5x slow (another job had the CPU) would price every step
+    and widen every band: the profile is the fit without it, and says so; a run 1.5x slow is
+    a process's own speed and stays."""
+    names = ("prefill-sweep", "decode-sweep", "agentic-contexts")
+    kept = [measured_looking_run(tmp_path, n) for n in names]
+    slow = measured_looking_run(tmp_path / "slow", "decode-sweep", step_time_scale=1.5)
+    stalled = measured_looking_run(tmp_path / "stalled", "decode-sweep", step_time_scale=5.0)
+    profile = calibrate([*kept, slow, stalled])
+    assert list(profile.stalled_runs) == [str(stalled)]
+    assert profile.stalled_runs[str(stalled)] == pytest.approx(5.0, rel=0.1)
+    without = calibrate([*kept, slow])
+    assert without.stalled_runs == {}
+    assert profile.params == without.params
+    assert profile.run_step_ratios == without.run_step_ratios  # 4 runs: the stalled one out
+    assert profile.held_out_metric_ratios == without.held_out_metric_ratios
+    assert str(stalled) in profile.created_by  # the command as given
+    (warning,) = profile.stalled_warnings()
+    assert warning.startswith(f"{stalled}: its steps ran 5.") and "left out" in warning
+    # Fewer than three runs: no median to be stalled against.
+    assert calibrate([kept[1], stalled]).stalled_runs == {}
+
+    out = tmp_path / "profile.json"
+    args = ["calibrate", *map(str, [*kept, slow, stalled]), "-o", str(out), "--leave-one-out"]
+    cli = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
+    assert cli.exit_code == 0, cli.output
+    assert warning in " ".join(cli.output.split())
+    assert load_profile(out).stalled_runs == profile.stalled_runs  # round trip
+    # kvsim validate against the profile says which runs its fit left out.
+    scenario = load_scenario(SCENARIO_DIR / "calibration" / "decode-sweep.yaml")
+    report = build_report(scenario, load_run(slow), [load_run(kept[1])], out)
+    assert warning in report.warnings
+
+
+def test_runs_are_screened_against_the_runs_at_their_token_budget(two_budgets: list[Path]) -> None:
+    """A budget's runs all 4x slow under the fit that prices them is the budget's kernel
+    speed, not a stall; one of them 3x its budget's median is."""
+    measured = load_measured([*two_budgets, *two_budgets[2:]])  # 512: 2 runs, 2048: 4
+    assert [budget_of(m) for m in measured] == [512, 512, 2048, 2048, 2048, 2048]
+    assert stalled_runs(measured, [1.0, 1.0, 4.0, 4.0, 4.0, 4.0]) == {}
+    assert stalled_runs(measured, [1.0, 9.0, 4.0, 4.0, 4.0, 12.0]) == {
+        str(measured[5].run.path): 3.0  # the 512 pair has no median to be judged against
+    }

@@ -23,6 +23,7 @@ from validate.compare import (
     compare_to_runs,
     median_interval,
     rows_to_records,
+    slo_mismatch,
 )
 from validate.vllm_bench import load_vllm_bench
 
@@ -123,9 +124,10 @@ def test_repeated_reference_compares_against_the_median_and_keeps_the_spread() -
         r.metric: r for r in compare_to_runs(summary_with(0.013, 5), [*runs, summary_with(None, 5)])
     }
     assert rows["TTFT p50"].reference is None and rows["TTFT p50"].relative_error is None
-    # One run: no spread column, the same rows as compare_summaries.
+    # One run: no spread column, the same rows as compare_summaries (which adds the SLO ones
+    # after them).
     single = compare_to_runs(summary_with(0.013, 5), runs[:1])
-    assert single == compare_summaries(summary_with(0.013, 5), runs[0])
+    assert single == compare_summaries(summary_with(0.013, 5), runs[0])[: len(single)]
     assert all(r.reference_spread is None for r in single)
     with pytest.raises(ValueError, match="at least one reference run"):
         compare_to_runs(summary_with(0.013, 5), [])
@@ -368,3 +370,34 @@ def test_compare_out_never_overwrites_and_names_an_unwritable_path(tmp_path: Pat
         assert cli.exit_code == 2 and message in " ".join(cli.output.split()), cli.output
         assert "Traceback" not in cli.output
     assert kept.read_text() == "mine"
+
+
+def test_compare_adds_goodput_and_says_when_the_slos_differ(tmp_path: Path) -> None:
+    sets = ["workload.sessions=8", "slos.ttft_p99_s=5"]
+    loose = simulate(load_scenario(DEFAULT_SCENARIO, sets))
+    tight = simulate(load_scenario(DEFAULT_SCENARIO, [*sets, "slos.ttft_p99_s=0.01"]))
+    rows = {r.metric: r for r in compare_summaries(tight.summary, loose.summary)}
+    goodput = rows["goodput"]
+    assert (goodput.value, goodput.reference) == (
+        tight.summary["metrics"]["goodput_req_s"],
+        loose.summary["metrics"]["goodput_req_s"],
+    )
+    assert goodput.value < goodput.reference and goodput.unit == "req/s"
+    assert rows["SLO attainment"].reference == loose.summary["metrics"]["slo_attainment"]
+    # Validation compares one scenario's SLOs with themselves: no such rows there.
+    assert "goodput" not in {r.metric for r in compare_to_runs(tight.summary, [loose.summary])}
+    assert slo_mismatch(loose.summary, loose.summary) is None
+    assert slo_mismatch(tight.summary, loose.summary) == (
+        "the runs' SLOs differ (ttft_p99_s 0.01 s against 5 s): their goodput and SLO "
+        "attainment count requests against different bounds"
+    )
+    a, b = tight.write(tmp_path / "tight"), loose.write(tmp_path / "loose")
+    cli = CliRunner().invoke(app, ["compare", str(a), str(b)], env={"COLUMNS": "200"})
+    assert cli.exit_code == 0, cli.output
+    text = " ".join(cli.output.split())
+    assert "goodput" in text and " req/s" in text and "the runs' SLOs differ" in text
+    same = CliRunner().invoke(app, ["compare", str(b), str(b)], env={"COLUMNS": "200"})
+    assert same.exit_code == 0 and "SLOs differ" not in same.output
+    # A vllm bench import knows no SLOs: its goodput counts every finished request.
+    bench = load_vllm_bench(write_bench(tmp_path / "b.json")).summary
+    assert "ttft_p99_s 5 s against none" in (slo_mismatch(loose.summary, bench) or "")

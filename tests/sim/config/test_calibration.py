@@ -172,5 +172,6 @@ def test_profiles_written_by_earlier_versions_still_load(tmp_path):
         "step_residual_quantiles": [],
         "step_residual_persistence": [],
         "held_out_metric_ratios": {},
+        "stalled_runs": {},
         "device_measurements": {},
     }
