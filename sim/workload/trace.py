@@ -1,4 +1,5 @@
-"""Trace replay: recorded requests (JSONL or CSV) submitted open loop at their timestamps.
+"""Trace replay: recorded requests (JSONL or CSV) submitted at their timestamps (open loop),
+or a session's turns each after the previous one's answer (``replay: closed_loop``).
 
 Rows carry ``timestamp``, ``input_length``, ``output_length`` and optionally ``session_id``,
 ``turn``, ``priority`` and Mooncake-style ``hash_ids``: one id per 512-token block of the
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
+import simpy
 from pydantic import Field, model_validator
 
 from sim.config.limits import (
@@ -305,8 +307,12 @@ def _hash_ids(value: Any, where: str) -> tuple[int, ...]:
     return tuple(_int(item, "hash_ids", where, minimum=0) for item in items)
 
 
+TraceReplay = Literal["open_loop", "closed_loop"]
+
+
 class TraceWorkload(KvsimModel):
-    """Replay a recorded trace open loop: each row is submitted at its (scaled) timestamp."""
+    """Replay a recorded trace: each row at its (scaled) timestamp, or (``closed_loop``) a
+    session's turns each its recorded gap after the previous one, once that one finished."""
 
     kind: Literal["trace"] = "trace"
     path: str = Field(
@@ -337,6 +343,13 @@ class TraceWorkload(KvsimModel):
         gt=MIN_TOKEN_ID,
         le=MAX_VOCAB_SIZE,
         description="Token ids are drawn below this.",
+    )
+    replay: TraceReplay = Field(
+        "open_loop",
+        description="open_loop: every row arrives at its scaled timestamp. closed_loop: a "
+        "session's first turn (rows with session_id and turn) arrives at its timestamp, each "
+        "later one its recorded gap after the previous turn was sent and not before that turn "
+        "finished (an agent waits for the answer); rows without both arrive open loop.",
     )
 
     @model_validator(mode="after")
@@ -387,37 +400,78 @@ class TraceWorkload(KvsimModel):
         blocks = HashIdTokens(
             int(seed_rng.integers(2**63)), self.hash_block_tokens, self.vocab_size
         )
-        sink.env.process(
-            self._replay(sink, records, blocks, TokenSource(token_rng, self.vocab_size))
-        )
+        send = _Sender(sink, blocks, TokenSource(token_rng, self.vocab_size))
+        rows = list(enumerate(records))  # request ids follow the timestamp order either way
+        sessions: dict[int, list[tuple[int, TraceRecord]]] = {}
+        if self.replay == "closed_loop":
+            for i, r in rows:
+                if r.session_id is not None and r.turn is not None:
+                    sessions.setdefault(r.session_id, []).append((i, r))
+            if not sessions:
+                raise KvsimConfigError(
+                    f"{self.path}: workload.replay = 'closed_loop', but no replayed row has "
+                    "both session_id and turn, so no turn waits on another; add them, or "
+                    "replay it open_loop"
+                )
+            rows = [(i, r) for i, r in rows if r.session_id is None or r.turn is None]
+        sink.env.process(self._open_loop(send, rows))
+        for turns in sessions.values():
+            turns.sort(key=lambda row: row[1].turn or 0)
+            sink.env.process(self._session(send, turns))
         return WorkloadRun(len(records), trace_rows_skipped=len(too_long))
 
-    def _replay(
-        self,
-        sink: RequestSink,
-        records: list[TraceRecord],
-        blocks: HashIdTokens,
-        tokens: TokenSource,
+    def _open_loop(
+        self, send: _Sender, rows: list[tuple[int, TraceRecord]]
     ) -> Generator[Any, Any, None]:
-        env = sink.env
-        for i, record in enumerate(records):
+        env = send.sink.env
+        for i, record in rows:
             arrival_s = record.timestamp_s * self.time_scale
             if arrival_s > env.now:
                 yield env.timeout(arrival_s - env.now)
-            shared = blocks.tokens(record.hash_ids, record.input_length)
-            unique = tokens.take_array(record.input_length - len(shared))
-            request = Request(
-                f"req-{i}",
-                tokens.as_list(np.concatenate((shared, unique))),
-                max_tokens=record.output_length,
-                block_size=sink.block_size,
-                arrival_time_s=env.now,
-                priority=record.priority or 0,
-                output_token_ids=tokens.take(record.output_length),
-            )
-            meta = RequestMeta(
-                session_id=record.session_id,
-                turn=record.turn,
-                priority_class="default" if record.priority is None else f"p{record.priority}",
-            )
-            sink.submit(request, meta)
+            send(i, record)
+
+    def _session(
+        self, send: _Sender, turns: list[tuple[int, TraceRecord]]
+    ) -> Generator[Any, Any, None]:
+        """One session's turns in order: each its recorded gap after the previous turn was
+        sent, once that turn has finished (closed_loop)."""
+        env = send.sink.env
+        answered: simpy.Event | None = None  # the previous turn's
+        recorded_s = 0.0  # the previous turn's timestamp
+        for i, record in turns:
+            arrival_s = record.timestamp_s * self.time_scale
+            if answered is not None:  # now is when the previous turn was sent
+                arrival_s = env.now + (record.timestamp_s - recorded_s) * self.time_scale
+                yield answered
+            if arrival_s > env.now:
+                yield env.timeout(arrival_s - env.now)
+            answered, recorded_s = send(i, record), record.timestamp_s
+
+
+@dataclass(frozen=True, slots=True)
+class _Sender:
+    """Builds a trace row's request (its hash-id blocks, then unique tokens) and submits it."""
+
+    sink: RequestSink
+    blocks: HashIdTokens
+    tokens: TokenSource
+
+    def __call__(self, i: int, record: TraceRecord) -> simpy.Event:
+        sink, tokens = self.sink, self.tokens
+        shared = self.blocks.tokens(record.hash_ids, record.input_length)
+        unique = tokens.take_array(record.input_length - len(shared))
+        request = Request(
+            f"req-{i}",
+            tokens.as_list(np.concatenate((shared, unique))),
+            max_tokens=record.output_length,
+            block_size=sink.block_size,
+            arrival_time_s=sink.env.now,
+            priority=record.priority or 0,
+            output_token_ids=tokens.take(record.output_length),
+        )
+        meta = RequestMeta(
+            session_id=record.session_id,
+            turn=record.turn,
+            priority_class="default" if record.priority is None else f"p{record.priority}",
+        )
+        return sink.submit(request, meta)

@@ -218,3 +218,46 @@ def test_rows_longer_than_max_model_len(tmp_path):
     again = run_workload(workload, max_model_len=64)
     assert again.workload_run is not None and again.workload_run.trace_rows_skipped == 0
     assert workload.expected_num_requests() == 3
+
+
+# Session 7's turn 2 takes 0.2 s to serve (200 tokens at the fake's 1 ms), longer than the
+# 0.1 s its trace waited before turn 3; session 8's turns are quick; the last row is no turn.
+AGENT_ROWS = [
+    {"timestamp": 0.0, "input_length": 8, "output_length": 2, "session_id": 7, "turn": 1},
+    {"timestamp": 0.05, "input_length": 190, "output_length": 10, "session_id": 7, "turn": 2},
+    {"timestamp": 0.15, "input_length": 8, "output_length": 2, "session_id": 7, "turn": 3},
+    {"timestamp": 0.02, "input_length": 8, "output_length": 2, "session_id": 8, "turn": 1},
+    {"timestamp": 0.5, "input_length": 8, "output_length": 2, "session_id": 8, "turn": 2},
+    {"timestamp": 0.12, "input_length": 8, "output_length": 2},
+]
+
+
+def test_closed_loop_sends_a_turn_its_recorded_gap_after_the_last_once_it_is_answered(tmp_path):
+    path = write_jsonl(tmp_path, AGENT_ROWS)
+    open_loop = run_workload(make_trace(path)).by_id()
+    closed = run_workload(make_trace(path, replay="closed_loop")).by_id()
+    assert sorted(open_loop) == sorted(closed)  # ids follow the timestamp order either way
+    sent = {i: round(s.submit_s, 9) for i, s in closed.items()}
+    ids = {(s.meta.session_id, s.meta.turn): i for i, s in closed.items()}
+    assert sent[ids[7, 1]] == 0.0 and sent[ids[8, 1]] == 0.02
+    assert sent[ids[7, 2]] == 0.05  # turn 1 answered at 0.01, within the gap
+    assert sent[ids[7, 3]] == round(closed[ids[7, 2]].finish_s, 9) == 0.25  # waited for it
+    assert sent[ids[8, 2]] == 0.5  # recorded gap 0.48 after turn 1 was sent at 0.02
+    assert sent[ids[None, None]] == 0.12  # no turn: at its time
+    assert round(open_loop[ids[7, 3]].submit_s, 9) == 0.15  # open loop: never waits
+    # Scaled, the gaps scale too.
+    slow = run_workload(make_trace(path, replay="closed_loop", time_scale=2.0)).by_id()
+    assert round(slow[ids[8, 2]].submit_s, 9) == 1.0
+    assert round(slow[ids[7, 3]].submit_s, 9) == 0.3  # gap 0.2 after 0.1: answered at 0.3
+
+
+def test_closed_loop_needs_rows_with_session_and_turn(tmp_path):
+    path = write_jsonl(tmp_path, MOONCAKE_ROWS)
+    with pytest.raises(
+        KvsimConfigError,
+        match=r"trace.jsonl: workload.replay = 'closed_loop', but no replayed row has both "
+        "session_id and turn",
+    ):
+        run_workload(make_trace(path, replay="closed_loop"))
+    with pytest.raises(ValidationError, match="replay"):
+        make_trace(path, replay="closed")
