@@ -21,9 +21,11 @@ it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus
 steps with a prefill chunk (wake-ups left out), measured / priced, by how many tokens the step
 computes, per token budget: the cost model is linear in a step's tokens (beyond the first
 step of each token count, which builds kernels: sim/kernel_builds.py), and this shows where
-that is off (cells of under 20 steps are left out). No vLLM needed: simulations only, seconds
-to a minute. ``--profile`` prices and simulates with another profile than the session's own,
-e.g. the one ``bench_validation.py --refit DIR --out REFIT`` fitted on the same replays.
+that is off (cells of under 20 steps are left out); and the decode-only steps, measured /
+priced, by how many requests decode and the mean context they attend over. No vLLM needed:
+simulations only, seconds to a minute. ``--profile`` prices and simulates with another
+profile than the session's own, e.g. the one ``bench_validation.py --refit DIR --out REFIT``
+fitted on the same replays.
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ GAP_EDGES_S = (0.0, 0.01, 0.05, 0.2, 1.0, 5.0, float("inf"))
 
 # Tokens in a step (prefill chunks plus decodes) the prefill table splits steps by.
 TOKEN_EDGES = (1, 64, 96, 128, 160, 256, 512, 1024, 2048, 2**31)
-# A cell of the prefill table with fewer steps than this prints "-".
+# Decodes in a step, and mean context per decode (tokens), the decode table splits by.
+DECODE_EDGES = (1, 2, 4, 8, 16, 32, 2**31)
+CONTEXT_EDGES = (0, 512, 2048, 8192, 2**31)
+# A cell of the prefill and decode tables with fewer steps than this prints "-".
 MIN_CELL_STEPS = 20
 
 # The bounded latency and throughput figures (preemptions and hit rate are counts that
@@ -71,6 +76,7 @@ class StepRatio(NamedTuple):
     gap_s: float | None  # seconds the engine sat idle before it; None: it followed at once
     ratio: float  # measured / predicted time
     tokens: int  # tokens it computes: prefill chunks plus one per decode
+    context: float  # mean context a decode of the step attends over (0 without decodes)
 
 
 def step_ratio_rows(
@@ -87,7 +93,10 @@ def step_ratio_rows(
         if shape.num_tokens:
             ratio = duration / cost.step_time_s(*step)
             prefill = bool(shape.num_prefill_reqs)
-            rows.append(StepRatio(prefill, idle_s if idle else None, ratio, shape.num_tokens))
+            context = shape.decode_context_tokens / max(shape.num_decode_reqs, 1)
+            rows.append(
+                StepRatio(prefill, idle_s if idle else None, ratio, shape.num_tokens, context)
+            )
     return rows
 
 
@@ -172,6 +181,40 @@ def prefill_tokens_table(session: SessionSteps) -> Table:
     return table
 
 
+def decode_table(session: SessionSteps) -> Table:
+    """Decode-only steps (wake-ups after idle left out) of all the session's replays,
+    measured / priced, by how many requests decode in the step and the mean context they
+    attend over: where the decode price is off, and whether the validation replays' decodes
+    lie where the calibration's were priced right."""
+    table = Table(
+        title="decode-only steps, measured / priced, by decodes in the step and mean context "
+        f"(median, and number of steps; cells of under {MIN_CELL_STEPS} steps left out)"
+    )
+    table.add_column("replays")
+    table.add_column("context", justify="right")
+    batches = list(itertools.pairwise(DECODE_EDGES))
+    for low, high in batches:
+        table.add_column(
+            f"{low}-{high - 1}" if high < DECODE_EDGES[-1] else f"{low}+", justify="right"
+        )
+    for kind, replays in session.items():
+        steps = [s for _, rows in replays for s in rows if not s.prefill and s.gap_s is None]
+        for c_low, c_high in itertools.pairwise(CONTEXT_EDGES):
+            cells = []
+            for low, high in batches:
+                chosen = [
+                    s.ratio for s in steps if low <= s.tokens < high and c_low <= s.context < c_high
+                ]
+                cells.append(
+                    f"{np.median(chosen):.2f} ({len(chosen)})"
+                    if len(chosen) >= MIN_CELL_STEPS
+                    else "-"
+                )
+            label = f"{c_low}-{c_high - 1}" if c_high < CONTEXT_EDGES[-1] else f"{c_low}+"
+            table.add_row("calibration" if kind == "cal" else "validation", label, *cells)
+    return table
+
+
 def pct(x: float) -> str:
     return f"{100 * x:+.1f}%"
 
@@ -249,6 +292,7 @@ def main() -> None:
     session = session_steps(args.dir, profile)
     console.print(wakeup_table(session))
     console.print(prefill_tokens_table(session))
+    console.print(decode_table(session))
 
 
 if __name__ == "__main__":
