@@ -121,6 +121,22 @@ def session_steps(session: Path, profile: CalibrationProfile) -> SessionSteps:
     return steps
 
 
+def bin_label(low: int, high: int, edges: tuple[int, ...]) -> str:
+    """A column or row label for the bin [low, high) of ``edges`` (the last one open)."""
+    return f"{low}-{high - 1}" if high < edges[-1] else f"{low}+"
+
+
+def median_cell(ratios: list[float]) -> str:
+    """A table cell: the median ratio and how many steps, or "-" under MIN_CELL_STEPS."""
+    if len(ratios) < MIN_CELL_STEPS:
+        return "-"
+    return f"{np.median(ratios):.2f} ({len(ratios)})"
+
+
+def replays_label(kind: str) -> str:
+    return "calibration" if kind == "cal" else "validation"
+
+
 def wakeup_table(session: SessionSteps) -> Table:
     """The first steps after idle of all the session's replays, by idle gap."""
     table = Table(
@@ -143,7 +159,7 @@ def wakeup_table(session: SessionSteps) -> Table:
         for low, high in bins:
             chosen = ratio_array[(gap_array >= low) & (gap_array < high)]
             cells.append(f"{np.median(chosen):.2f} ({len(chosen)})" if len(chosen) else "-")
-        table.add_row("calibration" if kind == "cal" else "validation", *cells)
+        table.add_row(replays_label(kind), *cells)
     return table
 
 
@@ -159,9 +175,7 @@ def prefill_tokens_table(session: SessionSteps) -> Table:
     table.add_column("budget", justify="right")
     bins = list(itertools.pairwise(TOKEN_EDGES))
     for low, high in bins:
-        table.add_column(
-            f"{low}-{high - 1}" if high < TOKEN_EDGES[-1] else f"{low}+", justify="right"
-        )
+        table.add_column(bin_label(low, high, TOKEN_EDGES), justify="right")
     for kind, replays in session.items():
         by_budget: dict[int, list[StepRatio]] = defaultdict(list)
         for scenario, steps in replays:
@@ -169,15 +183,11 @@ def prefill_tokens_table(session: SessionSteps) -> Table:
                 s for s in steps if s.prefill and s.gap_s is None
             ]
         for budget, steps in sorted(by_budget.items()):
-            cells = []
-            for low, high in bins:
-                chosen = [s.ratio for s in steps if low <= s.tokens < high]
-                cells.append(
-                    f"{np.median(chosen):.2f} ({len(chosen)})"
-                    if len(chosen) >= MIN_CELL_STEPS
-                    else "-"
-                )
-            table.add_row("calibration" if kind == "cal" else "validation", str(budget), *cells)
+            cells = [
+                median_cell([s.ratio for s in steps if low <= s.tokens < high])
+                for low, high in bins
+            ]
+            table.add_row(replays_label(kind), str(budget), *cells)
     return table
 
 
@@ -194,24 +204,16 @@ def decode_table(session: SessionSteps) -> Table:
     table.add_column("context", justify="right")
     batches = list(itertools.pairwise(DECODE_EDGES))
     for low, high in batches:
-        table.add_column(
-            f"{low}-{high - 1}" if high < DECODE_EDGES[-1] else f"{low}+", justify="right"
-        )
+        table.add_column(bin_label(low, high, DECODE_EDGES), justify="right")
     for kind, replays in session.items():
         steps = [s for _, rows in replays for s in rows if not s.prefill and s.gap_s is None]
         for c_low, c_high in itertools.pairwise(CONTEXT_EDGES):
-            cells = []
-            for low, high in batches:
-                chosen = [
-                    s.ratio for s in steps if low <= s.tokens < high and c_low <= s.context < c_high
-                ]
-                cells.append(
-                    f"{np.median(chosen):.2f} ({len(chosen)})"
-                    if len(chosen) >= MIN_CELL_STEPS
-                    else "-"
-                )
-            label = f"{c_low}-{c_high - 1}" if c_high < CONTEXT_EDGES[-1] else f"{c_low}+"
-            table.add_row("calibration" if kind == "cal" else "validation", label, *cells)
+            at_context = [s for s in steps if c_low <= s.context < c_high]
+            cells = [
+                median_cell([s.ratio for s in at_context if low <= s.tokens < high])
+                for low, high in batches
+            ]
+            table.add_row(replays_label(kind), bin_label(c_low, c_high, CONTEXT_EDGES), *cells)
     return table
 
 
