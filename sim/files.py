@@ -4,11 +4,13 @@ kvsim never overwrites an output, so a truncated file (a full disk, a file size 
 interrupted write) would block the rerun that should replace it. Every single-file output
 goes through :func:`write_atomic` (or :func:`atomic_path` for a library that writes a path
 itself, such as ``DataFrame.to_parquet``): the bytes go to a hidden temporary file in the
-same folder, renamed onto the target only once complete (``os.replace``, atomic on one
-filesystem), and removed on any error. A new folder of outputs (``capacity.json``, a Triton
-model repository) is written by :func:`write_new_folder` into a hidden sibling, renamed into
-place once complete. :func:`probe_folder` checks with a real write, before a long search,
-that its output can be written at all (``os.access`` says yes to root everywhere).
+same folder, flushed to the disk (``os.fsync``: a power loss after the rename cannot leave an
+empty file under the final name) and renamed onto the target only once complete
+(``os.replace``, atomic on one filesystem), and removed on any error. A new folder of outputs
+(``capacity.json``, a Triton model repository) is written by :func:`write_new_folder` into a
+hidden sibling, its files flushed the same way, renamed into place once complete.
+:func:`probe_folder` checks with a real write, before a long search, that its output can be
+written at all (``os.access`` says yes to root everywhere).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def atomic_path(path: str | Path, executable: bool = False) -> Iterator[Path]:
         yield tmp
         if executable:
             os.chmod(tmp, tmp.stat().st_mode | 0o111)
+        sync_file(tmp)
         os.replace(tmp, path)
     except BaseException:
         _remove(tmp)
@@ -88,6 +91,24 @@ def write_atomic(path: str | Path, data: str | bytes, executable: bool = False) 
 def _write_all(path: Path, payload: bytes) -> None:
     with path.open("wb") as handle:
         handle.write(payload)
+
+
+def sync_file(path: Path) -> None:
+    """Flush ``path``'s bytes to the disk (whoever wrote them) before it is renamed into
+    place: without it a crash can leave the new name pointing at an empty file."""
+    descriptor = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def sync_tree(folder: Path) -> None:
+    """:func:`sync_file` on every file under ``folder`` (a hidden folder about to be renamed
+    into place)."""
+    for path in sorted(folder.rglob("*")):
+        if path.is_file() and not path.is_symlink():
+            sync_file(path)
 
 
 def write_new_folder(
@@ -112,6 +133,7 @@ def write_new_folder(
             _write_all(target, content.encode() if isinstance(content, str) else content)
         if extra is not None:
             extra(tmp)
+        sync_tree(tmp)
         os.rename(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

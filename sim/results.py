@@ -1,8 +1,9 @@
 """Run directories: ``summary.json``, ``requests.parquet``, ``steps.parquet``, ``scenario.yaml``.
 
 Simulated and measured runs write the same files. A run directory appears only once all of
-its files are written (they are written to a hidden sibling, then renamed into place), so a
-crash never leaves a directory that looks complete, and an existing run is never overwritten.
+its files are written (they are written to a hidden sibling, flushed to the disk, then
+renamed into place), so a crash never leaves a directory that looks complete, and an
+existing run is never overwritten.
 
 Before a run simulates, it claims its directory (:func:`claim_run_dir`): the directory is
 created atomically, holding only a ``.kvsim-claim`` file with the owner's pid and host name,
@@ -32,7 +33,7 @@ from typing import Any
 import pandas as pd
 
 from sim.errors import KvsimConfigError, short_repr
-from sim.files import hidden_name, probe_folder, reason
+from sim.files import hidden_name, probe_folder, reason, sync_tree
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.parquet"
@@ -331,6 +332,7 @@ def write_run(
         (tmp / SCENARIO).write_text(scenario_yaml)
         for writer in extra_writers:
             writer(tmp)
+        sync_tree(tmp)
         if claimed:
             # The claim is an empty directory but for its marker: rename(2) replaces an
             # empty directory atomically.

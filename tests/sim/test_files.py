@@ -8,6 +8,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 from sim import files
@@ -19,6 +20,7 @@ from sim.files import (
     write_atomic,
     write_new_folder,
 )
+from sim.results import write_run
 
 
 def half_written(code: int) -> Callable[[Path, bytes], None]:
@@ -130,3 +132,33 @@ def test_a_profile_that_cannot_be_saved_leaves_no_truncated_file(
     monkeypatch.undo()
     save_profile(profile, tmp_path / "profile.json")
     assert load_profile(tmp_path / "profile.json") == profile
+
+
+def test_every_output_reaches_the_disk_before_its_final_name_appears(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """fsync before the rename: a power loss after it cannot leave an empty file under the
+    output's name. Each synced file is complete and the final name does not exist yet."""
+    synced: list[tuple[str, bytes]] = []
+    real_fsync = os.fsync
+
+    def record(descriptor: int) -> None:
+        real_fsync(descriptor)
+        name = os.readlink(f"/proc/self/fd/{descriptor}")
+        synced.append((Path(name).name, Path(name).read_bytes()))
+
+    monkeypatch.setattr(os, "fsync", record)
+    write_atomic(tmp_path / "a.json", "whole\n")
+    assert len(synced) == 1 and synced[0][1] == b"whole\n"
+    assert synced[0][0] != "a.json" and synced[0][0].startswith(".a.json")
+    with atomic_path(tmp_path / "t.parquet") as tmp:
+        tmp.write_bytes(b"PAR1")
+        assert not (tmp_path / "t.parquet").exists()
+    assert synced[1][1] == b"PAR1"
+    synced.clear()
+    write_new_folder(tmp_path / "repo", {"a/config.pbtxt": "x", "b.txt": b"y"})
+    assert sorted(content for _, content in synced) == [b"x", b"y"]
+    synced.clear()
+    run = write_run(tmp_path / "run", {"n": 1}, pd.DataFrame({"a": [1]}), pd.DataFrame(), "x: 1\n")
+    assert sorted(name for name, _ in synced) == sorted(os.listdir(run))
+    assert all(content for _, content in synced)
