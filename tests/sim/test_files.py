@@ -138,27 +138,27 @@ def test_every_output_reaches_the_disk_before_its_final_name_appears(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """fsync before the rename: a power loss after it cannot leave an empty file under the
-    output's name. Each synced file is complete and the final name does not exist yet."""
-    synced: list[tuple[str, bytes]] = []
+    output's name. Each file is synced complete (its bytes as fsync found them) and is the
+    very file (inode) that then holds the final name."""
+    synced: dict[int, bytes] = {}  # inode -> the bytes when it was synced
     real_fsync = os.fsync
 
     def record(descriptor: int) -> None:
         real_fsync(descriptor)
-        name = os.readlink(f"/proc/self/fd/{descriptor}")
-        synced.append((Path(name).name, Path(name).read_bytes()))
+        size = os.fstat(descriptor).st_size
+        synced[os.fstat(descriptor).st_ino] = os.pread(descriptor, size, 0)
+
+    def synced_as(path: Path) -> bytes | None:
+        return synced.get(path.stat().st_ino)
 
     monkeypatch.setattr(os, "fsync", record)
-    write_atomic(tmp_path / "a.json", "whole\n")
-    assert len(synced) == 1 and synced[0][1] == b"whole\n"
-    assert synced[0][0] != "a.json" and synced[0][0].startswith(".a.json")
+    text = write_atomic(tmp_path / "a.json", "whole\n")
+    assert synced_as(text) == b"whole\n"
     with atomic_path(tmp_path / "t.parquet") as tmp:
         tmp.write_bytes(b"PAR1")
-        assert not (tmp_path / "t.parquet").exists()
-    assert synced[1][1] == b"PAR1"
-    synced.clear()
-    write_new_folder(tmp_path / "repo", {"a/config.pbtxt": "x", "b.txt": b"y"})
-    assert sorted(content for _, content in synced) == [b"x", b"y"]
-    synced.clear()
+    assert synced_as(tmp_path / "t.parquet") == b"PAR1"
+    made = write_new_folder(tmp_path / "repo", {"a/config.pbtxt": "x", "b.txt": b"y"})
+    assert [synced_as(path) for path in made] == [b"x", b"y"]
     run = write_run(tmp_path / "run", {"n": 1}, pd.DataFrame({"a": [1]}), pd.DataFrame(), "x: 1\n")
-    assert sorted(name for name, _ in synced) == sorted(os.listdir(run))
-    assert all(content for _, content in synced)
+    for path in run.iterdir():
+        assert synced_as(path) == path.read_bytes() != b"", path.name
