@@ -35,6 +35,7 @@ import itertools
 import statistics
 import sys
 from collections import defaultdict
+from collections.abc import Sequence
 from pathlib import Path
 from typing import NamedTuple
 
@@ -126,14 +127,15 @@ def bin_label(low: int, high: int, edges: tuple[int, ...]) -> str:
     return f"{low}-{high - 1}" if high < edges[-1] else f"{low}+"
 
 
-def median_cell(ratios: list[float]) -> str:
-    """A table cell: the median ratio and how many steps, or "-" under MIN_CELL_STEPS."""
-    if len(ratios) < MIN_CELL_STEPS:
+def median_cell(ratios: Sequence[float] | np.ndarray, minimum: int = MIN_CELL_STEPS) -> str:
+    """A table cell: the median ratio and how many steps, or "-" under ``minimum`` steps."""
+    if len(ratios) < max(minimum, 1):
         return "-"
     return f"{np.median(ratios):.2f} ({len(ratios)})"
 
 
 def replays_label(kind: str) -> str:
+    """The row label of a session's calibration (``cal``) or validation replays."""
     return "calibration" if kind == "cal" else "validation"
 
 
@@ -155,10 +157,10 @@ def wakeup_table(session: SessionSteps) -> Table:
                     gaps.append(step.gap_s)
                     ratios.append(step.ratio)
         gap_array, ratio_array = np.array(gaps), np.array(ratios)
-        cells = []
-        for low, high in bins:
-            chosen = ratio_array[(gap_array >= low) & (gap_array < high)]
-            cells.append(f"{np.median(chosen):.2f} ({len(chosen)})" if len(chosen) else "-")
+        cells = [
+            median_cell(ratio_array[(gap_array >= low) & (gap_array < high)], minimum=1)
+            for low, high in bins
+        ]
         table.add_row(replays_label(kind), *cells)
     return table
 

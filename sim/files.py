@@ -106,7 +106,7 @@ def sync_file(path: Path) -> None:
 def sync_tree(folder: Path) -> None:
     """:func:`sync_file` on every file under ``folder`` (a hidden folder about to be renamed
     into place)."""
-    for path in sorted(folder.rglob("*")):
+    for path in folder.rglob("*"):
         if path.is_file() and not path.is_symlink():
             sync_file(path)
 
