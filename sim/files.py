@@ -6,9 +6,11 @@ goes through :func:`write_atomic` (or :func:`atomic_path` for a library that wri
 itself, such as ``DataFrame.to_parquet``): the bytes go to a hidden temporary file in the
 same folder, flushed to the disk (``os.fsync``: a power loss after the rename cannot leave an
 empty file under the final name) and renamed onto the target only once complete
-(``os.replace``, atomic on one filesystem), and removed on any error. A new folder of outputs
-(``capacity.json``, a Triton model repository) is written by :func:`write_new_folder` into a
-hidden sibling, its files flushed the same way, renamed into place once complete.
+(``os.replace``, atomic on one filesystem), and removed on any error; the folder is flushed
+after the rename too (:func:`sync_folder`), so the new name itself survives a power loss. A
+new folder of outputs (``capacity.json``, a Triton model repository) is written by
+:func:`write_new_folder` into a hidden sibling, its files and folders flushed the same way,
+renamed into place once complete.
 :func:`probe_folder` checks with a real write, before a long search, that its output can be
 written at all (``os.access`` says yes to root everywhere).
 """
@@ -76,6 +78,7 @@ def atomic_path(path: str | Path, executable: bool = False) -> Iterator[Path]:
     except BaseException:
         _remove(tmp)
         raise
+    sync_folder(path.parent)
 
 
 def write_atomic(path: str | Path, data: str | bytes, executable: bool = False) -> Path:
@@ -103,12 +106,31 @@ def sync_file(path: Path) -> None:
         os.close(descriptor)
 
 
+def sync_folder(folder: Path) -> None:
+    """Flush ``folder``'s entries to the disk: after a file or folder is renamed into it, so
+    that a power loss cannot take the new name back. Best effort: where the folder cannot be
+    opened for reading or its filesystem has no directory fsync (some network and FUSE
+    filesystems), the output is complete all the same and only its name's durability is left
+    to the filesystem."""
+    with suppress(OSError):
+        descriptor = os.open(folder, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
 def sync_tree(folder: Path) -> None:
-    """:func:`sync_file` on every file under ``folder`` (a hidden folder about to be renamed
-    into place)."""
+    """:func:`sync_file` on every file under ``folder`` and :func:`sync_folder` on every
+    folder in it, itself included (a hidden folder about to be renamed into place)."""
     for path in folder.rglob("*"):
-        if path.is_file() and not path.is_symlink():
+        if path.is_symlink():
+            continue
+        if path.is_file():
             sync_file(path)
+        elif path.is_dir():
+            sync_folder(path)
+    sync_folder(folder)
 
 
 def write_new_folder(
@@ -138,6 +160,7 @@ def write_new_folder(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    sync_folder(folder.parent)
     return [folder / relative for relative in files]
 
 

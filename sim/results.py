@@ -2,8 +2,8 @@
 
 Simulated and measured runs write the same files. A run directory appears only once all of
 its files are written (they are written to a hidden sibling, flushed to the disk, then
-renamed into place), so a crash never leaves a directory that looks complete, and an
-existing run is never overwritten.
+renamed into place, the rename flushed too), so a crash never leaves a directory that looks
+complete, and an existing run is never overwritten.
 
 Before a run simulates, it claims its directory (:func:`claim_run_dir`): the directory is
 created atomically, holding only a ``.kvsim-claim`` file with the owner's pid and host name,
@@ -33,7 +33,7 @@ from typing import Any
 import pandas as pd
 
 from sim.errors import KvsimConfigError, short_repr
-from sim.files import hidden_name, probe_folder, reason, sync_tree
+from sim.files import hidden_name, probe_folder, reason, sync_folder, sync_tree
 
 SUMMARY = "summary.json"
 REQUESTS = "requests.parquet"
@@ -347,6 +347,7 @@ def write_run(
             with contextlib.suppress(OSError):
                 _write_claim(out_dir, marker)
         raise
+    sync_folder(out_dir.parent)
     return out_dir
 
 

@@ -40,7 +40,7 @@ import pandas as pd
 
 from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError, short_repr
-from sim.files import atomic_path, write_atomic
+from sim.files import atomic_path, sync_folder, write_atomic
 from sim.interrupts import completed, sigint_deferred, stop_pool, submit, worker_pool
 from sim.report import what_if_lines
 from sim.scenario import check_runnable, load_scenario
@@ -241,6 +241,7 @@ def run_point(scenario: Path, sets: tuple[str, ...], point: Point, out: Path) ->
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    sync_folder(points)
     return None
 
 

@@ -140,25 +140,39 @@ def test_every_output_reaches_the_disk_before_its_final_name_appears(
     """fsync before the rename: a power loss after it cannot leave an empty file under the
     output's name. Each file is synced complete (its bytes as fsync found them) and is the
     very file (inode) that then holds the final name."""
-    synced: dict[int, bytes] = {}  # inode -> the bytes when it was synced
+    synced: dict[int, bytes] = {}  # a file's inode -> its bytes when it was synced
+    listed: dict[int, list[set[str]]] = {}  # a folder's inode -> its names at each sync
     real_fsync = os.fsync
 
     def record(descriptor: int) -> None:
         real_fsync(descriptor)
-        size = os.fstat(descriptor).st_size
-        synced[os.fstat(descriptor).st_ino] = os.pread(descriptor, size, 0)
+        status = os.fstat(descriptor)
+        if stat.S_ISDIR(status.st_mode):
+            listed.setdefault(status.st_ino, []).append(set(os.listdir(descriptor)))
+        else:
+            synced[status.st_ino] = os.pread(descriptor, status.st_size, 0)
 
     def synced_as(path: Path) -> bytes | None:
         return synced.get(path.stat().st_ino)
 
+    def name_synced(path: Path) -> bool:
+        """The folder holding ``path`` was synced once the name was in it (after the
+        rename: a power loss cannot take the name back)."""
+        return any(path.name in names for names in listed.get(path.parent.stat().st_ino, []))
+
     monkeypatch.setattr(os, "fsync", record)
     text = write_atomic(tmp_path / "a.json", "whole\n")
     assert synced_as(text) == b"whole\n"
+    assert name_synced(text)
     with atomic_path(tmp_path / "t.parquet") as tmp:
         tmp.write_bytes(b"PAR1")
     assert synced_as(tmp_path / "t.parquet") == b"PAR1"
+    assert name_synced(tmp_path / "t.parquet")
     made = write_new_folder(tmp_path / "repo", {"a/config.pbtxt": "x", "b.txt": b"y"})
     assert [synced_as(path) for path in made] == [b"x", b"y"]
+    assert all(name_synced(path) for path in [*made, made[0].parent, tmp_path / "repo"])
     run = write_run(tmp_path / "run", {"n": 1}, pd.DataFrame({"a": [1]}), pd.DataFrame(), "x: 1\n")
     for path in run.iterdir():
         assert synced_as(path) == path.read_bytes() != b"", path.name
+        assert name_synced(path), path.name
+    assert name_synced(run)

@@ -357,6 +357,21 @@ def test_a_point_that_cannot_be_written_is_no_result_of_the_point(
     assert [p.id for p in plan.pending()] == ["p0000"]
 
 
+def test_a_written_points_name_is_flushed_after_its_rename(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The points folder is synced once the point's own name is in it: a power loss after
+    the sweep moved on cannot take a finished point back (it would run again on resume)."""
+    out = tmp_path / "sweep"
+    plan = plan_sweep(SCENARIO, ["engine.max_num_seqs=8"], SMALL, out)
+    listings: list[set[str]] = []
+    monkeypatch.setattr(
+        sweep_module, "sync_folder", lambda folder: listings.append(set(os.listdir(folder)))
+    )
+    assert run_point(plan.scenario, plan.sets, plan.points[0], plan.out) is None
+    assert listings == [{"p0000"}]
+
+
 def limit_file_size() -> None:
     """In the child: files of at most 4 KiB (``ulimit -f``): sweep.json fits, a run does not."""
     resource.setrlimit(resource.RLIMIT_FSIZE, (4096, 4096))
