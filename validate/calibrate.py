@@ -361,13 +361,27 @@ def calibrate(run_dirs: Sequence[Path], command: str = "kvsim calibrate") -> Cal
 
 
 def calibrate_measured(
-    measured: Sequence[MeasuredRun],
-    run_dirs: Sequence[Path],
-    command: str = "kvsim calibrate",
-    others_fits: Mapping[str, BudgetFits] | None = None,
+    measured: Sequence[MeasuredRun], run_dirs: Sequence[Path], command: str = "kvsim calibrate"
 ) -> CalibrationProfile:
-    """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``;
-    ``others_fits``: :func:`held_out_fits` of ``measured`` when the caller has them)."""
+    """:func:`calibrate` on runs already loaded (``run_dirs`` names them in ``created_by``)."""
+    return fit_calibration(measured, run_dirs, command).profile
+
+
+@dataclass(frozen=True)
+class FittedCalibration:
+    """A profile, the runs it was fitted on (``measured`` less its stalled runs) and their
+    :func:`held_out_fits`, which ``kvsim calibrate --leave-one-out`` reuses."""
+
+    profile: CalibrationProfile
+    measured: list[MeasuredRun]
+    others_fits: dict[str, BudgetFits]
+
+
+def fit_calibration(
+    measured: Sequence[MeasuredRun], run_dirs: Sequence[Path], command: str = "kvsim calibrate"
+) -> FittedCalibration:
+    """:func:`calibrate_measured`, with the runs kept and their held-out fits (each fit
+    once: the held-out fits only over the runs kept)."""
     fits = fit_budgets(measured)
     params, fit = fits.params, fits.fit
     base, first = measured[0].scenario, measured[0].run
@@ -376,10 +390,12 @@ def calibrate_measured(
     run_ratios = [float(np.median(r)) for r in ratios]
     stalled = stalled_runs(measured, run_ratios)
     if stalled:  # fit again without them; they would price every step and widen every band
-        profile = calibrate_measured(without_runs(measured, stalled), run_dirs, command)
-        return profile.model_copy(update={"stalled_runs": stalled | profile.stalled_runs})
-    if others_fits is None:
-        others_fits = held_out_fits(measured)
+        kept = fit_calibration(without_runs(measured, stalled), run_dirs, command)
+        update = {"stalled_runs": stalled | kept.profile.stalled_runs}
+        return FittedCalibration(
+            kept.profile.model_copy(update=update), kept.measured, kept.others_fits
+        )
+    others_fits = held_out_fits(measured)
     profile = CalibrationProfile(
         params=params,
         params_by_budget=fits.by_budget,
@@ -401,10 +417,10 @@ def calibrate_measured(
         step_residual_quantiles=residual_quantiles(ratios),
         step_residual_persistence=residual_persistence(ratios),
     )
-    if not profile.held_out_run_step_ratios:
-        return profile  # runs of one scenario: nothing held out
-    errors = metric_ratios(held_out_pricing(measured, profile, others_fits), profile)
-    return profile.model_copy(update={"held_out_metric_ratios": errors})
+    if profile.held_out_run_step_ratios:  # else runs of one scenario: nothing held out
+        errors = metric_ratios(held_out_pricing(measured, profile, others_fits), profile)
+        profile = profile.model_copy(update={"held_out_metric_ratios": errors})
+    return FittedCalibration(profile, list(measured), others_fits)
 
 
 def without_runs(measured: Sequence[MeasuredRun], paths: Mapping[str, float]) -> list[MeasuredRun]:

@@ -368,13 +368,11 @@ def calibrate_cmd(
     from sim.config.hardware import resolve_hardware
     from sim.results import check_out_free
     from validate.calibrate import (
-        calibrate_measured,
-        held_out_fits,
+        fit_calibration,
         incomplete_warnings,
         leave_one_scenario_out,
         load_measured,
         scenario_groups,
-        without_runs,
     )
 
     try:
@@ -410,15 +408,14 @@ def calibrate_cmd(
             if leave_one_out:
                 scenario_groups(measured)  # before the fit: two scenarios at least
             with console.status("fitting on all runs, and once per held-out scenario ..."):
-                others_fits = held_out_fits(measured)
-                profile = calibrate_measured(measured, runs or [], others_fits=others_fits)
+                fitted = fit_calibration(measured, runs or [])
+            profile = fitted.profile
             for line in profile.stalled_warnings():
                 note(line)
-            if leave_one_out:
-                if profile.stalled_runs:  # held out as the profile was fitted: without them
-                    measured = without_runs(measured, profile.stalled_runs)
-                    others_fits = held_out_fits(measured)
-                errors = leave_one_scenario_out(measured, profile.params_for, others_fits)
+            if leave_one_out:  # held out as the profile was fitted: without stalled runs
+                errors = leave_one_scenario_out(
+                    fitted.measured, profile.params_for, fitted.others_fits
+                )
         save_profile(profile, output)
     except (KvsimConfigError, ValueError) as exc:
         raise fail(str(exc)) from None

@@ -22,9 +22,13 @@ from sim.shape_coverage import fitted_cells
 from sim.step_record import shapes_of_steps
 from tests.profiles import profile_with
 from tests.validate.fake_vllm import TRUTH, fake_replay
+from validate import calibrate as calibrate_module
 from validate.calibrate import (
+    BudgetFits,
+    MeasuredRun,
     budget_of,
     calibrate,
+    fit_calibration,
     held_out_fits,
     held_out_run_ratios,
     incomplete_warnings,
@@ -492,7 +496,7 @@ def test_a_profile_naming_a_device_as_its_hardware_warns_only_of_another_kind(
 
 
 def test_a_run_stalled_by_something_else_is_left_out_of_the_fit_and_named(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A process whose steps all ran 5x slow (another job had the CPU) would price every step
     and widen every band: the profile is the fit without it, and says so; a run 1.5x slow is
@@ -515,10 +519,23 @@ def test_a_run_stalled_by_something_else_is_left_out_of_the_fit_and_named(
     # Fewer than three runs: no median to be stalled against.
     assert calibrate([kept[1], stalled]).stalled_runs == {}
 
+    fitted = fit_calibration(load_measured([*kept, slow, stalled]), [])
+    assert [m.run.path for m in fitted.measured] == [*kept, slow]  # what --leave-one-out holds out
+    assert sorted(fitted.others_fits) == [f"cal-{n}" for n in sorted(names)]
+
     out = tmp_path / "profile.json"
     args = ["calibrate", *map(str, [*kept, slow, stalled]), "-o", str(out), "--leave-one-out"]
+    held_out_over: list[int] = []  # the runs of each held_out_fits call
+    real_held_out_fits = calibrate_module.held_out_fits
+
+    def counted(measured: list[MeasuredRun]) -> dict[str, BudgetFits]:
+        held_out_over.append(len(measured))
+        return real_held_out_fits(measured)
+
+    monkeypatch.setattr(calibrate_module, "held_out_fits", counted)
     cli = CliRunner().invoke(app, args, env={"COLUMNS": "400"})
     assert cli.exit_code == 0, cli.output
+    assert held_out_over == [4]  # once, over the runs kept
     assert warning in " ".join(cli.output.split())
     assert load_profile(out).stalled_runs == profile.stalled_runs  # round trip
     # kvsim validate against the profile says which runs its fit left out.
