@@ -31,8 +31,8 @@ OUTLIER_FACTOR = 2.0
 # A run whose median step ran this many times slower than the median run's at its token
 # budget (against the fit that prices each) was stalled by something else on the machine,
 # not slowed by its batches: processes of one machine ran within 0.8-1.4x of each other in
-# the validation sessions, a replay beside a test run at 7.6x (README, the seventeenth
-# session).
+# the validation sessions, a replay beside a test run at 7.6x (the seventeenth session in
+# benchmarks/validation-sessions.md).
 STALLED_RUN_FACTOR = 2.0
 
 

@@ -7,7 +7,7 @@ without the run's scenario is off on that scenario's *median* step. It does not 
 error is spread over a scenario's steps: a fit that prices one scenario's prefill chunks 10%
 low and its decodes 3% high reads near 1 on the median step, yet ~10% low on TTFT. On
 vLLM-CPU, long-prompts-chunked's TTFT p50 read -14% against its replays at their own speeds in
-one session (README, "A sixteenth six-round session"): the fit's error on that scenario's
+one session (the sixteenth, benchmarks/validation-sessions.md): the fit's error on that scenario's
 steps, not the replays' speed.
 
 :func:`metric_ratios` measures that error on the calibration scenarios themselves. Each run is
