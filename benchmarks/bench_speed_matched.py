@@ -3,30 +3,30 @@
     python benchmarks/bench_speed_matched.py DIR      # DIR: a bench_validation.py --out
     python benchmarks/bench_speed_matched.py DIR --profile REFIT/profile.json
 
-On a shared machine one vLLM process runs the same batches up to ~25% slower or faster than
-the next, and a replay's latencies follow its speed. This re-reads a validation session
+On a shared machine one vLLM process runs the same batches up to ~25% slower or faster than the
+next, and a replay's latencies follow its speed. This re-reads a validation session
 (``benchmarks/bench_validation.py --out DIR``: ``DIR/profile.json`` and the replays
 ``DIR/val-<scenario>/real-*``) and, for every validation scenario, simulates it again at each
 replay's own step speed (``step_time_scale`` = that replay's median measured / predicted step
 time, :func:`validate.calibrate.step_time_ratio`). Per bounded metric it prints kvsim's error
-against the replays' median as the session reported it (the profile's speed), the error of
-the median of the speed-matched simulations against the same median, and the range of the
+against the replays' median as the session reported it (the profile's speed), the error of the
+median of the speed-matched simulations against the same median, and the range of the
 per-replay errors (each replay against kvsim at its speed). A miss that stays when the speeds
-are matched is not the machine's speed. Also per scenario: the replays' step ratios on
-prefill steps and on decode-only steps (medians over the replays), which shows whether one
-kind of step is priced off. Last, over all of the session's replays (calibration and
-validation apart), the first step after the engine sat idle, measured / priced, by how long
-it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus
-``idle_wakeup_log_s`` x ln(1 + idle / 10 ms), and this shows how well at every gap. And the
-steps with a prefill chunk (wake-ups left out), measured / priced, by how many tokens the step
-computes, per token budget: the cost model is linear in a step's tokens (beyond the first
-step of each token count, which builds kernels: sim/kernel_builds.py), and this shows where
-that is off (cells of under 20 steps are left out); and the decode-only steps, measured /
-priced, by how many requests decode and the mean context they attend over. No vLLM needed:
-simulations only, seconds to a minute. ``--profile`` prices and simulates with another
-profile than the session's own, e.g. the one ``bench_validation.py --refit DIR --out REFIT``
-fitted on the same replays.
-"""
+are matched is not the machine's speed. Also per scenario: the replays' step ratios on prefill
+steps and on decode-only steps (medians over the replays), which shows whether one kind of step
+is priced off. Then each scenario's replays, calibration and validation, against the price:
+their median step and their whole run's measured / priced time (the first is the speed a band
+draws, the second what latencies add up). Last, over all of the session's replays (calibration
+and validation apart), the first step after the engine sat idle, measured / priced, by how long
+it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus ``idle_wakeup_log_s``
+x ln(1 + idle / 10 ms), and this shows how well at every gap. And the steps with a prefill
+chunk (wake-ups left out), measured / priced, by how many tokens the step computes, per token
+budget: the cost model is linear in a step's tokens (beyond the first step of each token count,
+which builds kernels: sim/kernel_builds.py), and this shows where that is off (cells of under
+20 steps are left out); and the decode-only steps, measured / priced, by how many requests
+decode and the mean context they attend over. No vLLM needed: simulations only, seconds to a
+minute. ``--profile`` prices and simulates with another profile than the session's own, e.g.
+the one ``bench_validation.py --refit DIR --out REFIT`` fitted on the same replays."""
 
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ class StepRatio(NamedTuple):
     prefill: bool  # it computes a prefill chunk
     gap_s: float | None  # seconds the engine sat idle before it; None: it followed at once
     ratio: float  # measured / predicted time
+    priced_s: float  # predicted time
     tokens: int  # tokens it computes: prefill chunks plus one per decode
     context: float  # mean context a decode of the step attends over (0 without decodes)
 
@@ -92,17 +93,17 @@ def step_ratio_rows(
     for step, duration in zip(m.steps(), m.durations_s, strict=True):
         shape, idle, _, idle_s, _ = step
         if shape.num_tokens:
-            ratio = duration / cost.step_time_s(*step)
+            priced_s = cost.step_time_s(*step)
             prefill = bool(shape.num_prefill_reqs)
             context = shape.decode_context_tokens / max(shape.num_decode_reqs, 1)
-            rows.append(
-                StepRatio(prefill, idle_s if idle else None, ratio, shape.num_tokens, context)
-            )
+            gap_s = idle_s if idle else None
+            ratio = duration / priced_s
+            rows.append(StepRatio(prefill, gap_s, ratio, priced_s, shape.num_tokens, context))
     return rows
 
 
-def median_of(values: list[float]) -> str:
-    return f"{statistics.median(values):.2f}" if values else "-"
+def median_of(values: list[float], digits: int = 2) -> str:
+    return f"{statistics.median(values):.{digits}f}" if values else "-"
 
 
 # Per kind of replay ("cal", "val"): each replay's scenario and its steps against the price.
@@ -137,6 +138,40 @@ def median_cell(ratios: Sequence[float] | np.ndarray, minimum: int = MIN_CELL_ST
 def replays_label(kind: str) -> str:
     """The row label of a session's calibration (``cal``) or validation replays."""
     return "calibration" if kind == "cal" else "validation"
+
+
+def speeds_table(session: SessionSteps) -> Table:
+    """Each scenario's replays against the price: the median step (the run speed a band
+    draws) and the run's measured time over its priced time (what its latencies add up),
+    each the median over the scenario's replays, then over all calibration and all
+    validation replays. Where the validation replays run faster than the calibration ones
+    on both, the band (drawn at the calibration's speeds) sits slow of them."""
+    table = Table(
+        title="replays against the price: median step, and measured / priced time of the "
+        "whole run (medians over the replays)"
+    )
+    for col in ("replays", "scenario", "runs", "median step", "whole run"):
+        table.add_column(col, justify="left" if col in ("replays", "scenario") else "right")
+    for kind, replays in session.items():
+        by_scenario: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        for scenario, steps in replays:
+            ratios = np.array([s.ratio for s in steps])
+            priced = np.array([s.priced_s for s in steps])
+            if len(steps):
+                whole = float(np.sum(ratios * priced) / np.sum(priced))
+                by_scenario[scenario.name].append((float(np.median(ratios)), whole))
+        every = [run for runs in by_scenario.values() for run in runs]
+        rows = [*sorted(by_scenario.items()), (f"all {replays_label(kind)}", every)]
+        for k, (name, runs) in enumerate(rows):
+            table.add_row(
+                replays_label(kind) if k == 0 else "",
+                name,
+                str(len(runs)),
+                median_of([median for median, _ in runs], digits=3),
+                median_of([whole for _, whole in runs], digits=3),
+            )
+        table.add_section()
+    return table
 
 
 def wakeup_table(session: SessionSteps) -> Table:
@@ -294,6 +329,7 @@ def main() -> None:
         table.add_section()
     console.print(table)
     session = session_steps(args.dir, profile)
+    console.print(speeds_table(session))
     console.print(wakeup_table(session))
     console.print(prefill_tokens_table(session))
     console.print(decode_table(session))

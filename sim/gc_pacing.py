@@ -8,8 +8,8 @@ benchmark's time, for next to no garbage (the same peak RSS with the collector o
 :func:`paced_collection` the young generation is collected every ``YOUNG_THRESHOLD`` net
 allocations, the middle one every ``MIDDLE_EVERY`` young collections and the whole heap after
 ``OLD_EVERY`` middle ones (and, as always, only once it has grown by a quarter): cycles are
-still collected, only less often. Figures, and the variants not taken, in the README
-(Benchmarks).
+still collected, only less often. Figures, and the variants not taken, in
+benchmarks/performance-log.md ("The garbage collector").
 
 Collection never changes a result (nothing in kvsim has a finalizer or a weak reference).
 Reentrant and thread-safe (the dashboard and sweeps run simulations in threads): the first
