@@ -155,11 +155,12 @@ def speeds_table(session: SessionSteps) -> Table:
     for kind, replays in session.items():
         by_scenario: dict[str, list[tuple[float, float]]] = defaultdict(list)
         for scenario, steps in replays:
+            if not steps:
+                continue
             ratios = np.array([s.ratio for s in steps])
             priced = np.array([s.priced_s for s in steps])
-            if len(steps):
-                whole = float(np.sum(ratios * priced) / np.sum(priced))
-                by_scenario[scenario.name].append((float(np.median(ratios)), whole))
+            whole = float(np.sum(ratios * priced) / np.sum(priced))  # measured / priced time
+            by_scenario[scenario.name].append((float(np.median(ratios)), whole))
         every = [run for runs in by_scenario.values() for run in runs]
         rows = [*sorted(by_scenario.items()), (f"all {replays_label(kind)}", every)]
         for k, (name, runs) in enumerate(rows):
