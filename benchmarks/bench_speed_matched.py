@@ -16,17 +16,20 @@ are matched is not the machine's speed. Also per scenario: the replays' step rat
 steps and on decode-only steps (medians over the replays), which shows whether one kind of step
 is priced off. Then each scenario's replays, calibration and validation, against the price:
 their median step and their whole run's measured / priced time (the first is the speed a band
-draws, the second what latencies add up). Last, over all of the session's replays (calibration
-and validation apart), the first step after the engine sat idle, measured / priced, by how long
-it sat idle: the cost model prices that wake-up as ``idle_wakeup_s`` plus ``idle_wakeup_log_s``
-x ln(1 + idle / 10 ms), and this shows how well at every gap. And the steps with a prefill
-chunk (wake-ups left out), measured / priced, by how many tokens the step computes, per token
-budget: the cost model is linear in a step's tokens (beyond the first step of each token count,
-which builds kernels: sim/kernel_builds.py), and this shows where that is off (cells of under
-20 steps are left out); and the decode-only steps, measured / priced, by how many requests
-decode and the mean context they attend over. No vLLM needed: simulations only, seconds to a
-minute. ``--profile`` prices and simulates with another profile than the session's own, e.g.
-the one ``bench_validation.py --refit DIR --out REFIT`` fitted on the same replays."""
+draws, the second what latencies add up), and their decode steps against the calibration
+replays' decode steps of the same batch size and context ("shape-matched": whether a scenario
+runs off the price because of the shapes it runs or on its own). Last, over all of the
+session's replays (calibration and validation apart), the first step after the engine sat idle,
+measured / priced, by how long it sat idle: the cost model prices that wake-up as
+``idle_wakeup_s`` plus ``idle_wakeup_log_s`` x ln(1 + idle / 10 ms), and this shows how well at
+every gap. And the steps with a prefill chunk (wake-ups left out), measured / priced, by how
+many tokens the step computes, per token budget: the cost model is linear in a step's tokens
+(beyond the first step of each token count, which builds kernels: sim/kernel_builds.py), and
+this shows where that is off (cells of under 20 steps are left out); and the decode-only steps,
+measured / priced, by how many requests decode and the mean context they attend over. No vLLM
+needed: simulations only, seconds to a minute. ``--profile`` prices and simulates with another
+profile than the session's own, e.g. the one ``bench_validation.py --refit DIR --out REFIT``
+fitted on the same replays."""
 
 from __future__ import annotations
 
@@ -140,27 +143,72 @@ def replays_label(kind: str) -> str:
     return "calibration" if kind == "cal" else "validation"
 
 
+def decode_cell(step: StepRatio) -> tuple[int, int] | None:
+    """The (decodes, mean context) cell of :func:`decode_table` a decode-only step that
+    followed another at once lies in; None for other steps."""
+    if step.prefill or step.gap_s is not None:
+        return None
+    batch = int(np.searchsorted(DECODE_EDGES, step.tokens, side="right"))
+    context = int(np.searchsorted(CONTEXT_EDGES, step.context, side="right"))
+    return batch, context
+
+
+def calibration_cells(session: SessionSteps) -> dict[tuple[int, int], float]:
+    """The median measured / priced ratio of the calibration replays' decode-only steps in
+    each :func:`decode_cell` of at least ``MIN_CELL_STEPS`` of them."""
+    by_cell: dict[tuple[int, int], list[float]] = defaultdict(list)
+    for _, steps in session.get("cal", []):
+        for step in steps:
+            cell = decode_cell(step)
+            if cell is not None:
+                by_cell[cell].append(step.ratio)
+    return {
+        cell: float(np.median(ratios))
+        for cell, ratios in by_cell.items()
+        if len(ratios) >= MIN_CELL_STEPS
+    }
+
+
+def shape_matched(steps: Sequence[StepRatio], cells: dict[tuple[int, int], float]) -> float | None:
+    """The median over a replay's decode-only steps of their ratio over the calibration
+    replays' median ratio in the same cell (steps in cells the calibration lacks left out);
+    None without such steps. Below 1: the replay ran its decodes faster than the
+    calibration replays ran decodes of the same batch size and context."""
+    matched = [
+        step.ratio / cells[cell]
+        for step in steps
+        if (cell := decode_cell(step)) is not None and cell in cells
+    ]
+    return float(np.median(matched)) if matched else None
+
+
 def speeds_table(session: SessionSteps) -> Table:
     """Each scenario's replays against the price: the median step (the run speed a band
-    draws) and the run's measured time over its priced time (what its latencies add up),
+    draws), the run's measured time over its priced time (what its latencies add up) and
+    the median decode step against the calibration replays' decodes of the same shape
+    (:func:`shape_matched`: whether a scenario's speed is its batch shapes' or its own),
     each the median over the scenario's replays, then over all calibration and all
     validation replays. Where the validation replays run faster than the calibration ones
     on both, the band (drawn at the calibration's speeds) sits slow of them."""
     table = Table(
-        title="replays against the price: median step, and measured / priced time of the "
-        "whole run (medians over the replays)"
+        title="replays against the price: median step, measured / priced time of the whole "
+        "run, and decodes against the calibration's of the same shape (medians over the "
+        "replays)"
     )
-    for col in ("replays", "scenario", "runs", "median step", "whole run"):
+    columns = ("replays", "scenario", "runs", "median step", "whole run", "shape-matched")
+    for col in columns:
         table.add_column(col, justify="left" if col in ("replays", "scenario") else "right")
+    cells = calibration_cells(session)
     for kind, replays in session.items():
-        by_scenario: dict[str, list[tuple[float, float]]] = defaultdict(list)
+        by_scenario: dict[str, list[tuple[float, float, float | None]]] = defaultdict(list)
         for scenario, steps in replays:
             if not steps:
                 continue
             ratios = np.array([s.ratio for s in steps])
             priced = np.array([s.priced_s for s in steps])
             whole = float(np.sum(ratios * priced) / np.sum(priced))  # measured / priced time
-            by_scenario[scenario.name].append((float(np.median(ratios)), whole))
+            matched = shape_matched(steps, cells)
+            by_scenario[scenario.name].append((float(np.median(ratios)), whole, matched))
         every = [run for runs in by_scenario.values() for run in runs]
         rows = [*sorted(by_scenario.items()), (f"all {replays_label(kind)}", every)]
         for k, (name, runs) in enumerate(rows):
@@ -168,8 +216,9 @@ def speeds_table(session: SessionSteps) -> Table:
                 replays_label(kind) if k == 0 else "",
                 name,
                 str(len(runs)),
-                median_of([median for median, _ in runs], digits=3),
-                median_of([whole for _, whole in runs], digits=3),
+                median_of([median for median, _, _ in runs], digits=3),
+                median_of([whole for _, whole, _ in runs], digits=3),
+                median_of([m for _, _, m in runs if m is not None], digits=3),
             )
         table.add_section()
     return table
