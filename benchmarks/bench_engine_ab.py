@@ -1,7 +1,8 @@
 """Does an engine setting change how fast vLLM runs the same batch shapes? An interleaved A/B.
 
     python benchmarks/bench_engine_ab.py SCENARIO --vary engine.max_num_seqs=32 \
-        [--vary engine.scheduling_policy=fcfs ...] --profile PROFILE --out DIR [--rounds 5]
+        [--vary engine.scheduling_policy=fcfs ...] --profile PROFILE --out DIR [--rounds 5] \
+        [--device cpu|cuda] [--model PATH]
     python benchmarks/bench_engine_ab.py --out DIR --profile PROFILE     # tables only
 
 The cost model prices a step by its batch shape; a setting that changes the time of the same
@@ -47,20 +48,29 @@ def variant_name(override: str) -> str:
 
 
 def replay_variants(
-    scenario_path: Path, overrides: list[str], out: Path, rounds: int, console: Console
+    scenario_path: Path,
+    overrides: list[str],
+    out: Path,
+    rounds: int,
+    console: Console,
+    device: str = "cpu",
+    model: str | None = None,
 ) -> None:
     """Every variant once per round, in a fresh process, the order rotated by round."""
     from validate.runner import run_real
 
     variants = {BASE: load_scenario(scenario_path)}
     for override in overrides:
-        variants[variant_name(override)] = load_scenario(scenario_path, [override])
+        name = variant_name(override)
+        if name in variants:
+            raise KvsimConfigError(f"--vary {override}: a second variant named {name}")
+        variants[name] = load_scenario(scenario_path, [override])
     names = list(variants)
     for round_no in range(1, rounds + 1):
         shift = (round_no - 1) % len(names)
         for name in names[shift:] + names[:shift]:
             started = time.perf_counter()
-            run_real(variants[name], "cpu", None, out / name / f"real-{round_no}")
+            run_real(variants[name], device, model, out / name / f"real-{round_no}")
             console.print(
                 f"[dim]{time.strftime('%H:%M:%S')} round {round_no}/{rounds}: {name} "
                 f"({time.perf_counter() - started:.0f} s)[/dim]"
@@ -115,6 +125,8 @@ def main() -> None:
     parser.add_argument("--profile", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--model", default=None)
     args = parser.parse_args()
     if args.rounds < 1:
         parser.error(f"--rounds {args.rounds}: at least one round")
@@ -125,7 +137,11 @@ def main() -> None:
                 parser.error("--vary KEY=VALUE: at least one variant to compare with the base")
             if args.out.exists():
                 parser.error(f"--out {args.out} exists; the replays go into a new folder")
-            replay_variants(args.scenario, args.vary, args.out, args.rounds, console)
+            replay_variants(
+                args.scenario, args.vary, args.out, args.rounds, console, args.device, args.model
+            )
+        elif not args.out.is_dir():
+            parser.error(f"--out {args.out}: no such folder of replays (pass SCENARIO to make it)")
         console.print(ab_table(step_ratios(args.out, args.profile)))
     except KvsimConfigError as error:
         sys.exit(str(error))
