@@ -26,11 +26,11 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
 from rich.console import Console
 from rich.table import Table
 
 from sim.config.calibration import load_profile
+from sim.config.loading import load_yaml
 from sim.errors import KvsimConfigError
 from sim.results import load_run
 from sim.scenario import load_scenario, parse_scenario
@@ -84,7 +84,7 @@ def step_ratios(out: Path, profile_path: Path) -> dict[str, dict[int, float]]:
     for variant_dir in sorted(p for p in out.iterdir() if p.is_dir()):
         for run_dir in replay_dirs(variant_dir):
             run = load_run(run_dir)
-            scenario = parse_scenario(yaml.safe_load(run.scenario_yaml), str(run_dir))
+            scenario = parse_scenario(load_yaml(run.scenario_yaml, str(run_dir)), str(run_dir))
             params = profile.params_for(scenario.engine.max_num_batched_tokens)
             ratio = step_time_ratio(run, scenario, params)
             if ratio is not None:

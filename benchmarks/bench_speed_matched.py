@@ -293,13 +293,13 @@ def decode_table(session: SessionSteps) -> Table:
     for low, high in batches:
         table.add_column(bin_label(low, high, DECODE_EDGES), justify="right")
     for kind, replays in session.items():
-        steps = [s for _, rows in replays for s in rows if not s.prefill and s.gap_s is None]
-        for c_low, c_high in itertools.pairwise(CONTEXT_EDGES):
-            at_context = [s for s in steps if c_low <= s.context < c_high]
-            cells = [
-                median_cell([s.ratio for s in at_context if low <= s.tokens < high])
-                for low, high in batches
-            ]
+        by_cell: dict[tuple[int, int], list[float]] = defaultdict(list)
+        for _, rows in replays:
+            for step in rows:
+                if (cell := decode_cell(step)) is not None:
+                    by_cell[cell].append(step.ratio)
+        for c, (c_low, c_high) in enumerate(itertools.pairwise(CONTEXT_EDGES), start=1):
+            cells = [median_cell(by_cell[b, c]) for b in range(1, len(batches) + 1)]
             table.add_row(replays_label(kind), bin_label(c_low, c_high, CONTEXT_EDGES), *cells)
     return table
 
