@@ -9,7 +9,7 @@
   give an H200 if it used the H100 fit (a GPU without measurements gets a prediction from the
   fitted parameters and its shapes);
 - the datasheet roofline at the cost model's defaults (compute 0.6, bandwidth 0.8): what the
-  H200 preset uses today;
+  H200 preset used before its own fit shipped;
 - the kernel model fitted on the H200 tables, in-sample and leave-one-model-out (fit on the
   other models, predict the held-out one at every token count and TP degree it has).
 
@@ -20,8 +20,8 @@ a layer's GEMMs jump by more than 10% (25%) from one token count to the next in 
     python benchmarks/bench_gpu_h200.py [--vidur ../shared/data/vidur] [--quick]
 
 ``--quick`` skips the leave-one-model-out fits (six fits, ~4 minutes on 2 cores); the
-in-sample figures price the tables with the committed fit,
-``validate/profiles/h200-kernel-fit.json``.
+in-sample figures price the tables with the shipped fit,
+``sim/config/kernel_fits/h200-141gb.json``.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from validate.vidur_tables import (  # noqa: E402
 )
 
 TABLES = ROOT / "validate" / "profiles" / "h200-operators"
-H200_FIT = ROOT / "validate" / "profiles" / "h200-kernel-fit.json"
+H200_FIT = ROOT / "sim" / "config" / "kernel_fits" / "h200-141gb.json"
 H100_FIT = ROOT / "sim" / "config" / "kernel_fits" / "h100-sxm-80gb.json"
 CELLS = {"1-256": (1, 256), "257-511": (257, 511), "512-4096": (512, 4096)}
 KEYS = ["model", "num_tokens", "num_tensor_parallel_workers"]

@@ -43,8 +43,8 @@ clock sags towards ``1 / (1 + throttle_slowdown)`` of its burst rate, a share
 GEMMs when pricing the operator tables (they time one layer at a time, pass after pass) and
 every layer of a step in a simulation (a step runs them back to back): :func:`layer_gemms_time_s`.
 Only the compute term is slowed: weight-bound GEMMs (decodes) are left alone.
-``throttle_slowdown`` 0 (the default, and the shipped H100 and A100 fits, which predate the
-term) is no throttle.
+``throttle_slowdown`` 0 (the default, and fits made with ``--no-power-cap``) is no throttle;
+the shipped fits have the term (since 2026-12-07).
 
 Element-wise operators (norms, RoPE, activation, residual add, embedding gather) cost a floor
 plus their bytes at a fitted bandwidth. A tensor-parallel all-reduce of ``bytes`` costs

@@ -348,7 +348,7 @@ def calibrate_cmd(
         typer.Option(
             "--no-power-cap",
             help="With --vidur: fit without the power-cap term (sustained compute slower per "
-            "FLOP), as the shipped H100 and A100 fits were.",
+            "FLOP), as the shipped H100 and A100 fits were until 2026-12-07.",
         ),
     ] = False,
     leave_one_out: Annotated[

@@ -272,10 +272,15 @@ def save_profile(profile: CalibrationProfile, path: str | Path) -> None:
     write_atomic(path, profile.model_dump_json(indent=2) + "\n")
 
 
-# Kernel fits shipped per hardware preset, written by ``kvsim calibrate --vidur`` on Vidur's
-# public operator profiles.
+# Kernel fits shipped per hardware preset, written by ``kvsim calibrate --vidur`` (each file's
+# ``created_by``): H100 and A100 on Vidur's public operator profiles, H200 on the operator
+# tables measured with torch kernels in ``validate/profiles/h200-operators``.
 KERNEL_FITS_DIR = Path(__file__).parent / "kernel_fits"
-KERNEL_FIT_FILES = {"H100-SXM-80GB": "h100-sxm-80gb.json", "A100-80GB": "a100-80gb.json"}
+KERNEL_FIT_FILES = {
+    "H100-SXM-80GB": "h100-sxm-80gb.json",
+    "A100-80GB": "a100-80gb.json",
+    "H200-141GB": "h200-141gb.json",
+}
 
 
 @cache

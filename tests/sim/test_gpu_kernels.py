@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pydantic
 import pytest
 
-from sim.config.calibration import load_profile, shipped_profile
+from sim.config.calibration import shipped_profile
 from sim.config.hardware import HARDWARE_PRESETS, Hardware, resolve_hardware
 from sim.config.model import resolve_model
 from sim.cost_model import CostModel, CostParams
@@ -42,12 +40,17 @@ def timer(shape: LayerShape, layers: int = 32) -> OperatorTimer:
 
 
 def test_shipped_fits_exist_for_the_measured_gpus_only() -> None:
-    for name in ("H100-SXM-80GB", "A100-80GB"):
+    sources = {
+        "H100-SXM-80GB": "vidur-operator-tables",
+        "A100-80GB": "vidur-operator-tables",
+        "H200-141GB": "torch-operator-tables",
+    }
+    for name, source in sources.items():
         profile = shipped_profile(resolve_hardware(name))
         assert profile is not None and profile.hardware == name
-        assert profile.source == "vidur-operator-tables"
+        assert profile.source == source
         assert profile.params.mode == "operators" and profile.params.kernels is not None
-    for name in ("H200-141GB", "L40S-48GB", "B200"):
+    for name in ("L40S-48GB", "B200"):
         assert shipped_profile(resolve_hardware(name)) is None
     assert all(hw.sm_count for hw in HARDWARE_PRESETS.values())
 
@@ -210,13 +213,14 @@ def test_a_run_says_what_priced_its_steps() -> None:
     assert h100["calibration"]["source"] == "vidur-operator-tables"
     assert "H100-SXM-80GB kernel fit" in step_time_source(h100)
     h200 = run("H200-141GB")
-    assert h200["calibration"] is None
-    assert "datasheet roofline (H200-141GB" in step_time_source(h200)
-    torch_tables = {**h200, "calibration": {"source": "torch-operator-tables", "hardware": "X"}}
-    assert step_time_source(torch_tables).startswith(
-        "step times: X kernel fit on operator measurements with torch kernels"
+    assert h200["calibration"]["source"] == "torch-operator-tables"
+    assert step_time_source(h200).startswith(
+        "step times: H200-141GB kernel fit on operator measurements with torch kernels"
     )
-    measured = {**h200, "calibration": {"source": "vllm", "model": "tiny", "hardware": "cpu"}}
+    l40s = run("L40S-48GB")
+    assert l40s["calibration"] is None
+    assert "datasheet roofline (L40S-48GB" in step_time_source(l40s)
+    measured = {**l40s, "calibration": {"source": "vllm", "model": "tiny", "hardware": "cpu"}}
     assert (
         step_time_source(measured) == "step times: calibration profile (vllm) fitted on tiny / cpu"
     )
@@ -295,7 +299,7 @@ def test_the_shipped_fit_is_for_the_preset_itself_and_dense_models() -> None:
 
 
 def test_shipped_fits_leave_the_non_kernel_parameters_at_their_defaults() -> None:
-    for name in ("H100-SXM-80GB", "A100-80GB"):
+    for name in ("H100-SXM-80GB", "A100-80GB", "H200-141GB"):
         params = shipped_profile(resolve_hardware(name)).params
         assert params.model_dump(exclude={"mode", "kernels"}) == CostParams().model_dump(
             exclude={"mode", "kernels"}
@@ -389,13 +393,12 @@ def test_the_power_cap_slows_long_compute_bound_gemms_not_decodes() -> None:
 def test_a_step_runs_its_layers_as_one_power_cap_run() -> None:
     """The operator tables time one layer pass at a time; a step runs every layer back to back,
     so its compute-bound GEMMs are priced further into the throttle than one pass is (the
-    committed H200 fit's), and a decode (weight-bound) is not slowed."""
-    profile = load_profile(Path(__file__).parents[2] / "validate/profiles/h200-kernel-fit.json")
-    params = profile.params.kernels
+    shipped H200 fit's), and a decode (weight-bound) is not slowed."""
+    h200 = resolve_hardware("H200-141GB")
+    params = shipped_profile(h200).params.kernels
     assert params is not None
     slowdown = params.gemm.throttle_slowdown
     assert 0.1 < slowdown < 1.0
-    h200 = resolve_hardware("H200-141GB")
 
     def timer_with(throttle: float) -> OperatorTimer:
         gemm = params.gemm.model_copy(update={"throttle_slowdown": throttle})
