@@ -39,7 +39,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from sim.config.calibration import load_profile  # noqa: E402
+from sim.config.calibration import KERNEL_FIT_FILES, KERNEL_FITS_DIR, load_profile  # noqa: E402
 from sim.config.hardware import resolve_hardware  # noqa: E402
 from validate.kernel_fit import (  # noqa: E402
     fit_kernel_params,
@@ -56,8 +56,8 @@ from validate.vidur_tables import (  # noqa: E402
 )
 
 TABLES = ROOT / "validate" / "profiles" / "h200-operators"
-H200_FIT = ROOT / "sim" / "config" / "kernel_fits" / "h200-141gb.json"
-H100_FIT = ROOT / "sim" / "config" / "kernel_fits" / "h100-sxm-80gb.json"
+H200_FIT = KERNEL_FITS_DIR / KERNEL_FIT_FILES["H200-141GB"]
+H100_FIT = KERNEL_FITS_DIR / KERNEL_FIT_FILES["H100-SXM-80GB"]
 CELLS = {"1-256": (1, 256), "257-511": (257, 511), "512-4096": (512, 4096)}
 KEYS = ["model", "num_tokens", "num_tensor_parallel_workers"]
 

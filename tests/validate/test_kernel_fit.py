@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sim.cli import app
-from sim.config.calibration import load_profile
+from sim.config.calibration import KERNEL_FIT_FILES, KERNEL_FITS_DIR, load_profile
 from sim.config.hardware import resolve_hardware
 from sim.errors import KvsimConfigError
 from sim.gpu_kernels import GemmFit, gemm_time_s
@@ -28,7 +28,6 @@ from validate.vidur_profile import SOURCE, TORCH_SOURCE, table_provenance, vidur
 from validate.vidur_tables import OperatorTables, read_tables
 
 VIDUR = Path(__file__).parent / "data" / "vidur"
-ROOT = Path(__file__).resolve().parents[2]
 H100 = resolve_hardware("H100-SXM-80GB")
 runner = CliRunner()
 
@@ -113,8 +112,8 @@ def test_the_gemm_fit_recovers_a_power_cap_throttle() -> None:
 def test_the_shipped_fits_have_the_power_cap() -> None:
     """The shipped H100 and A100 fits were fitted with the power-cap term (their created_by
     has no --no-power-cap); --no-power-cap fits with the term held at zero."""
-    for gpu, name in (("h100", "h100-sxm-80gb"), ("a100", "a100-80gb")):
-        shipped = load_profile(ROOT / "sim" / "config" / "kernel_fits" / f"{name}.json")
+    for gpu, preset in (("h100", "H100-SXM-80GB"), ("a100", "A100-80GB")):
+        shipped = load_profile(KERNEL_FITS_DIR / KERNEL_FIT_FILES[preset])
         assert shipped.created_by == f"kvsim calibrate --vidur ../shared/data/vidur --gpu {gpu}"
         assert shipped.params.kernels is not None
         assert 0.1 < shipped.params.kernels.gemm.throttle_slowdown < 1.0
@@ -283,7 +282,7 @@ def test_the_shipped_h200_fit_is_the_fit_of_the_committed_h200_tables() -> None:
     """sim/config/kernel_fits/h200-141gb.json (the H200 preset's step times) was written by
     the command in its created_by on validate/profiles/h200-operators: it prices those tables
     with the errors it records (a refit takes a minute; this checks the pairing)."""
-    profile = load_profile(ROOT / "sim" / "config" / "kernel_fits" / "h200-141gb.json")
+    profile = load_profile(KERNEL_FITS_DIR / KERNEL_FIT_FILES["H200-141GB"])
     assert profile.created_by == (
         "kvsim calibrate --vidur validate/profiles/h200-operators --gpu h200 --hardware H200-141GB"
     )
